@@ -111,7 +111,7 @@ def check(site, reference=None, warnings=None):
         h1 = art.find('h1')
         probs = []
         if not h1: probs.append(f'{pg} has no title')
-        elif title and norm(h1.get_text()).rstrip('#¶ ').strip() != norm(title.replace('`', '')):  # markdown code renders as text probs.append(f'{pg} title is {norm(h1.get_text())!r}, expected {title!r}')
+        elif title and norm(h1.get_text()).rstrip('#¶ ').strip() != norm(title.replace('`', '')): probs.append(f'{pg} title is {norm(h1.get_text())!r}, expected {title!r}')
         summ = art.find(class_='nb-summary')
         if summary and (not summ or not norm(summ.get_text())): probs.append(f'{pg} does not show the summary')
         report(f'page {r}', probs)
