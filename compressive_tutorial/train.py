@@ -443,8 +443,6 @@ class Trainer:
             self.state = unflatten_tree(meta['skeleton']['state'], tensors, template, device=self.device)
         self.step, self.n_updates, self.epoch, self.window = meta['step'], meta['n_updates'], meta['epoch'], meta['window']
         acc = meta['acc']
-        if isinstance(acc, list):                                                 # a checkpoint of the first format
-            acc = dict(self._new_acc(), nats=acc[0], aux=acc[1], tokens=acc[2], iters=acc[3], n_aux=acc[3] if acc[1] else 0)
         self.history, self._acc, self._stream = meta['history'], acc, None
         self._batch_size = meta.get('state_batch_size')
         set_rng_state(tensors, meta['rng'])
