@@ -18,7 +18,7 @@ import torch.nn as nn
 from .data import (
     SPLITS, ByteTokenizer, Corpus, StreamLoader, download_file, encode_documents, find_shared_data, load_books, load_enwik8, read_text)
 from .xl import XLConfig
-from .model import CTConfig, MODEL_KINDS, build_model, memory_summary
+from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, sample, load_checkpoint, compression_parameters, seed_everything
 from .synthetic import RecallConfig, recall_models, run_demo
 
@@ -187,9 +187,14 @@ def build_configs(kind:str='ct', # 'txl' or 'ct'
             if name in vals['train'] and name not in given:
                 vals['train'][name] = max(int(name == 'decay_steps'), round(vals['train'][name] * new / old))
     try:                                                               # 3. the config classes validate
-        return classes['model'](**vals['model']), TrainConfig(**vals['train']), RunConfig(**vals['run'])
+        mcfg, tcfg, rcfg = classes['model'](**vals['model']), TrainConfig(**vals['train']), RunConfig(**vals['run'])
     except (ValueError, TypeError) as e:
         raise ConfigError(f"bad config: {e} (change it with --set FIELD=VALUE)") from None
+    u = windows_per_call(mcfg)                                         # 4. BPTT: batch_size/2 streams of 2 windows
+    if rcfg.batch_size % u:
+        raise ConfigError(f"compression_loss='bptt' trains on batch_size/{u} streams of {u}*n_s bytes: batch_size={rcfg.batch_size} "
+                          f"must be a multiple of {u} (change it with --set batch_size=...)")
+    return mcfg, tcfg, rcfg
 
 # %% ../nbs/10_cli.ipynb #277c1113
 def corpus_spec(corpus:str) -> str:
@@ -335,7 +340,8 @@ def train_run(run:Run, # the run: its folder and configs (`run_from_args`)
     "Load the corpus, build the model, train it with `Trainer` (checkpointing into the run folder) and validate it."
     t0, out, R = time.perf_counter(), run.path, run.run
     corpora = load_corpus(run.corpus, download=download, cache=cache)                    # 1. the data
-    train_dl = _loader(corpora['train'], 'train', R.batch_size, run.model.n_s)
+    u = windows_per_call(run.model)                                                     # BPTT: B/2 streams of 2 windows per call
+    train_dl = _loader(corpora['train'], 'train', R.batch_size // u, run.model.n_s * u)
     valid_dl = _loader(corpora['valid'], 'valid', R.eval_batch_size, run.model.n_s)
     device = _device(R.device)
     seed_everything(R.seed)
@@ -345,8 +351,8 @@ def train_run(run:Run, # the run: its folder and configs (`run_from_args`)
     else: trainer = Trainer(model, train_dl, valid_dl, run.train, ckpt_dir=out)
     _say(f"ct train: {'resuming' if resume else 'new'} run {out} (preset {run.preset}) on {run.corpus}, device {device}")
     _say('  ' + _describe(run.kind, run.model, model))
-    _say(f"  data: train {len(corpora['train']):,} bytes, valid {len(corpora['valid']):,} bytes; {R.batch_size} streams x "
-         f"{run.model.n_s} bytes per step; steps {trainer.step:,} -> {R.steps:,}")
+    _say(f"  data: train {len(corpora['train']):,} bytes, valid {len(corpora['valid']):,} bytes; {R.batch_size // u} streams x "
+         f"{run.model.n_s * u} bytes per step{' (BPTT: 2 windows per call)' if u > 1 else ''}; steps {trainer.step:,} -> {R.steps:,}")
     ev = run.train.eval_every                                                          # 3. train, stopping at evaluations
     if trainer.step >= R.steps: _say(f"  the run is already at step {trainer.step:,}: nothing to train (raise --steps to continue)")
     while trainer.step < R.steps:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file, load_file
 from .data import StreamLoader, encode_documents, load_books
 from .xl import XLConfig
-from .model import CTConfig, build_model, memory_summary
+from .model import CTConfig, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
 
 # %% ../nbs/09_books_char.ipynb #fc507a73
@@ -86,7 +86,7 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
     for k, v in (('steps', steps), ('batch_size', batch_size), ('eval_windows', eval_windows), ('eval_batch_size', eval_batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{k}={v!r} must be a positive int")
     build_model(model_kind, cfg)                                                      # checks kind and config before any work
-    unroll = 2 if isinstance(cfg, CTConfig) and cfg.compression_loss == 'bptt' else 1 # §5.2: BPTT unrolls 2 windows, B/2 streams
+    unroll = windows_per_call(cfg)                                                    # §5.2: BPTT unrolls 2 windows, B/2 streams
     if batch_size % unroll: raise ValueError(f"compression_loss='bptt' trains on batch_size/2 streams of 2*n_s tokens: batch_size={batch_size} must be even")
     name = name or run_label(cfg)
     dev = torch.device(device)

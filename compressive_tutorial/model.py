@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['MODEL_KINDS', 'CTConfig', 'CompressiveUpdate', 'update_compressive_memory', 'FifoStep', 'fifo_trace',
            'plot_fifo_trace', 'CTState', 'AttentionRecord', 'CompressiveTransformer', 'ct_temporal_range',
-           'attention_cost', 'ct_visibility_mask', 'ct_dependency_reach', 'ModelKind', 'build_model', 'memory_summary']
+           'attention_cost', 'ct_visibility_mask', 'ct_dependency_reach', 'ModelKind', 'build_model', 'memory_summary',
+           'windows_per_call']
 
 # %% ../nbs/05_compressive_transformer.ipynb #652fedbc
 import warnings
@@ -368,3 +369,10 @@ def memory_summary(cfg:XLConfig, # an XLConfig (Transformer-XL) or a CTConfig (C
     return dict(n_s=cfg.n_s, n_m=cfg.n_m, n_cm=n_cm, c=c, keys_per_query=cfg.n_s + cfg.n_m + n_cm,
                 attention_cost=attention_cost(cfg.n_s, cfg.n_m, n_cm),
                 temporal_range=ct_temporal_range(cfg.n_layers, cfg.n_m, n_cm, c))
+
+# %% ../nbs/05_compressive_transformer.ipynb #a6c66105
+def windows_per_call(cfg:XLConfig, # an XLConfig (Transformer-XL) or a CTConfig (Compressive Transformer)
+                    ) -> int: # u: 2 for compression_loss='bptt', else 1
+    "Windows of n_s tokens one training call must hold: 2 for BPTT (f_c learns from a later window of the call, §5.2), else 1."
+    if not isinstance(cfg, XLConfig): raise TypeError(f"windows_per_call needs an XLConfig or a CTConfig, got {type(cfg).__name__}")
+    return 2 if isinstance(cfg, CTConfig) and CompressionLoss(cfg.compression_loss).keeps_graph else 1
