@@ -13,10 +13,9 @@ import itertools, math
 from dataclasses import dataclass
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from .model import AttentionRecord, CompressiveTransformer, ct_temporal_range
-from .losses import CompressionLoss, attention_reconstruction_loss
+from .model import AttentionRecord, CompressiveTransformer, ct_temporal_range, layer_compression_loss
+from .losses import CompressionLoss
 from .train import evaluate
 
 # %% ../nbs/07_analysis.ipynb #c0747116
@@ -248,21 +247,12 @@ class LayerLosses:
     def __repr__(self):
         return f"LayerLosses({self.n_layers} layers, source={self.source!r}, mean={[f'{m:.3g}' for m in self.mean.tolist()]}, windows={self.n})"
 
-def _capture_losses(model, store:list) -> list:
-    "Hooks that recompute Algorithm 2's loss for every layer from its input h and its f_c's input and output."
-    hs, handles = {}, []
-    def frozen_ln(ln, x): return F.layer_norm(x, ln.normalized_shape, ln.weight.detach(), ln.bias.detach(), ln.eps)
-    for i, (layer, f_c) in enumerate(zip(model.layers, model.compressors)):
-        def keep_h(mod, args, i=i): hs[i] = args[0]                               # the layer's input window (B, T, d)
-        def loss(mod, args, out, i=i):
-            h, old, new_cm = hs[i], args[0], out                                  # (B, T, d), (B, k*c, d), (B, k, d)
-            rows = (old != 0).any(-1).all(1)                                      # (B,) no cleared (zeroed) slot evicted
-            if not rows.any(): return
-            lay = model.layers[i]
-            if lay.pre_ln: h, old, new_cm = (frozen_ln(lay.ln1, t) for t in (h, old, new_cm))   # pre-LN attends to ln1(.)
-            store[i].append(float(attention_reconstruction_loss(h[rows], old[rows], new_cm[rows], lay.attn)))
-        handles += [layer.register_forward_pre_hook(keep_h), f_c.register_forward_hook(loss)]
-    return handles
+def _capture_losses(model, store:list):
+    "A `compression_hook` that appends Algorithm 2's loss of layer i to `store[i]` whenever the layer compressed something."
+    def hook(i, h, old, new_cm):                                                  # (B, T, d), Memory (B, k*c, d), (B, k, d)
+        a = layer_compression_loss(model.layers[i], h, old, new_cm, 'attention')
+        if a is not None: store[i].append(float(a))
+    return hook
 
 # %% ../nbs/07_analysis.ipynb #b2858f1f
 @torch.no_grad()
@@ -283,8 +273,9 @@ def compression_loss_by_layer(model:CompressiveTransformer, # a trained Compress
                          f"{CompressionLoss(model.compression_loss).value!r}, whose aux_losses are not Algorithm 2's): use source='hooks'.")
     dev = next(model.parameters()).device
     store = [[] for _ in model.layers]
-    handles = _capture_losses(model, store) if source == 'hooks' else []
-    was_training = model.training; model.eval()
+    was = model.training, model.record_aux, model.compression_hook
+    model.eval(); model.record_aux = source == 'aux'
+    if source == 'hooks': model.compression_hook = _capture_losses(model, store)
     state = None
     try:
         for batch in itertools.islice(iter(loader), n_windows):
@@ -294,8 +285,7 @@ def compression_loss_by_layer(model:CompressiveTransformer, # a trained Compress
                 for i, a in enumerate(model.aux_losses):
                     if a is not None: store[i].append(float(a))
     finally:
-        for hd in handles: hd.remove()
-        model.train(was_training)
+        model.train(was[0]); model.record_aux, model.compression_hook = was[1:]
     return LayerLosses(store, source)
 
 # %% ../nbs/07_analysis.ipynb #3176e8a2

@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['MODEL_KINDS', 'CTConfig', 'CompressiveUpdate', 'update_compressive_memory', 'FifoStep', 'fifo_trace',
-           'plot_fifo_trace', 'CTState', 'AttentionRecord', 'CompressiveTransformer', 'ct_temporal_range',
-           'attention_cost', 'ct_visibility_mask', 'ct_dependency_reach', 'ModelKind', 'build_model', 'memory_summary',
-           'windows_per_call']
+           'plot_fifo_trace', 'CTState', 'AttentionRecord', 'layer_compression_loss', 'CompressiveTransformer',
+           'ct_temporal_range', 'attention_cost', 'ct_visibility_mask', 'ct_dependency_reach', 'ModelKind',
+           'build_model', 'memory_summary', 'windows_per_call']
 
 # %% ../nbs/05_compressive_transformer.ipynb #652fedbc
 import warnings
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .xl import XLConfig, Memory, empty_memory, fifo_push, reset_memory, XLLayer, TransformerXL, lm_loss
+from .xl import XLConfig, Memory, empty_memory, fifo_push, reset_memory, XLLayer, TransformerXL, lm_loss, reach_from_visibility
 from .compress import COMPRESSORS, make_compressor, check_divisible, attention_usage
 from .losses import CompressionLoss, make_decoder, compression_loss, check_compression_setup
 
@@ -178,6 +178,27 @@ class AttentionRecord:
         a, b = self.n_cm, self.n_cm + self.n_m
         return {'cm': slice(0, a), 'm': slice(a, b), 'window': slice(b, b + self.T)}
 
+# %% ../nbs/05_compressive_transformer.ipynb #5255c71c
+def layer_compression_loss(layer:XLLayer, # the layer whose memories were compressed (its attention; its ln1 if pre-LN)
+                           h:Tensor, # (B, T, d) the layer's input window
+                           old:Memory, # (B, k*c, d) the memories it evicted this window
+                           new_cm:Tensor, # (B, k, d) f_c(old.mem), with its graph
+                           kind:str|CompressionLoss='attention', # 'attention' (Algorithm 2), 'autoencode', 'bptt' or 'none'
+                           decoder:nn.Module|None=None # the layer's decoder g (for 'autoencode')
+                          ) -> Tensor|None: # scalar; None if nothing was compressed, no stream qualifies, or `kind` has no loss
+    "One layer's auxiliary loss over the streams whose evicted memories are all valid (pre-LN: through a frozen ln1)."
+    kind = CompressionLoss(kind)
+    if kind in (CompressionLoss.BPTT, CompressionLoss.NONE) or new_cm.shape[1] == 0: return None
+    rows = old.valid.all(1)                                              # (B,)
+    if not rows.any(): return None
+    if not rows.all(): h, old_mem, new_cm = h[rows], old.mem[rows], new_cm[rows]
+    else: old_mem = old.mem
+    if kind is CompressionLoss.ATTENTION and layer.pre_ln:              # the attention reads ln1(.) of every key
+        ln = layer.ln1
+        frozen = lambda x: F.layer_norm(x, ln.normalized_shape, ln.weight.detach(), ln.bias.detach(), ln.eps)
+        h, old_mem, new_cm = frozen(h), frozen(old_mem), frozen(new_cm)
+    return compression_loss(kind, h, old_mem, new_cm, attn=layer.attn, decoder=decoder)   # detaches h, old, weights itself
+
 # %% ../nbs/05_compressive_transformer.ipynb #fea5904c
 class CompressiveTransformer(TransformerXL):
     "Transformer-XL whose layers also attend over a compressed memory, filled by each layer's f_c (Algorithm 1)."
@@ -191,6 +212,8 @@ class CompressiveTransformer(TransformerXL):
                          if self.compression_loss.needs_decoder else None)
         self.track_usage = self.compressors[0].needs_usage    # most-used: keep the attention each memory slot received
         self.record_attention, self.attention_records = False, None
+        self.record_aux = False                      # also compute the aux losses without gradients (as metrics)
+        self.compression_hook = None                 # optional hook(i, h, old, new_cm), called after each layer's update
         self.aux_loss, self.aux_losses = None, [None] * cfg.n_layers
 
     def compression_parameters(self):
@@ -208,20 +231,10 @@ class CompressiveTransformer(TransformerXL):
                        [usage() for _ in self.layers])
 
     def _aux(self, i:int, h:Tensor, old:Memory, new_cm:Tensor) -> Tensor|None:
-        "Layer i's auxiliary loss on the memories it just evicted (streams whose evicted memories are all valid)."
-        kind = self.compression_loss
-        if kind in (CompressionLoss.BPTT, CompressionLoss.NONE) or new_cm.shape[1] == 0: return None
-        rows = old.valid.all(1)                                              # (B,)
-        if not rows.any(): return None
-        if not rows.all(): h, old_mem, new_cm = h[rows], old.mem[rows], new_cm[rows]
-        else: old_mem = old.mem
-        layer = self.layers[i]
-        if kind is CompressionLoss.ATTENTION and layer.pre_ln:              # the attention reads ln1(.) of every key
-            ln = layer.ln1
-            frozen = lambda x: F.layer_norm(x, ln.normalized_shape, ln.weight.detach(), ln.bias.detach(), ln.eps)
-            h, old_mem, new_cm = frozen(h), frozen(old_mem), frozen(new_cm)
+        "Layer i's auxiliary loss on the memories it just evicted; skipped (None) without gradients unless `record_aux`."
+        if not (torch.is_grad_enabled() or self.record_aux): return None
         g = None if self.decoders is None else self.decoders[i]
-        return compression_loss(kind, h, old_mem, new_cm, attn=layer.attn, decoder=g)   # detaches h, old, weights itself
+        return layer_compression_loss(self.layers[i], h, old, new_cm, self.compression_loss, g)
 
     def _layer_step(self, i:int, h:Tensor, m:Memory, cm:Memory, usage, n_m:int, n_cm:int, need_probs:bool) -> tuple:
         "One layer, one window: attend over [cm; m; h], then evict, compress and push. Returns (h', m, cm, usage, aux)."
@@ -235,6 +248,7 @@ class CompressiveTransformer(TransformerXL):
             usage = usage + attention_usage(p, cm.length, cm.length + m.length).to(usage.dtype)   # (B, M)
         upd = update_compressive_memory(m, cm, h, n_m, n_cm, self.cfg.c, self.compressors[i], usage,
                                         keep_graph=self.compression_loss.keeps_graph)            # 8-11
+        if self.compression_hook is not None: self.compression_hook(i, h, upd.old, upd.new_cm)
         return out, upd.m, upd.cm, upd.usage, self._aux(i, h, upd.old, upd.new_cm)
 
     def forward(self,
@@ -334,11 +348,7 @@ def ct_visibility_mask(S:int, # sequence length
 def ct_dependency_reach(n_layers:int, n_s:int, n_m:int, n_cm:int, c:int, S:int|None=None) -> int:
     "Exact farthest distance q - p over which token p can influence the output at q (boolean powers of the mask)."
     S = S or (n_layers + 2) * (n_m + c * n_cm + n_s) + n_s
-    A = ct_visibility_mask(S, n_s, n_m, n_cm, c).float()
-    R = A.clone()
-    for _ in range(n_layers - 1): R = ((R @ A) > 0).float()
-    q, p = torch.arange(S)[:, None].expand(S, S), torch.arange(S)[None, :].expand(S, S)
-    return int(((q - p) * R).max())
+    return reach_from_visibility(ct_visibility_mask(S, n_s, n_m, n_cm, c), n_layers)
 
 # %% ../nbs/05_compressive_transformer.ipynb #b546d07f
 class ModelKind(NamedTuple):

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['XLConfig', 'Memory', 'empty_memory', 'fifo_push', 'update_memory', 'reset_memory', 'XLLayer', 'xl_equivalent_mask',
-           'XLState', 'lm_loss', 'TransformerXL', 'temporal_range', 'dependency_reach']
+           'XLState', 'lm_loss', 'TransformerXL', 'temporal_range', 'reach_from_visibility', 'dependency_reach']
 
 # %% ../nbs/02_transformer_xl.ipynb #eaf3bd7e
 import math
@@ -227,12 +227,19 @@ def temporal_range(n_layers:int, # l: number of layers
     "Maximum temporal range of Transformer-XL, $l \\times n_m$ (Compressive Transformer §3.3)."
     return n_layers * n_m
 
-def dependency_reach(n_layers:int, n_s:int, n_m:int, S:int|None=None) -> int:
-    "Exact farthest distance q - p over which token p can influence the output at q, from powers of the sliding mask."
-    S = S or (n_layers + 2) * (n_m + n_s) + n_s
-    A = xl_equivalent_mask(S, n_s, n_m).float()
+def reach_from_visibility(A:Tensor, # (S, S) bool: True where one layer's query at q sees the input at p
+                          n_layers:int # l: layers stacked
+                         ) -> int: # the largest q - p with a path from p to q through l layers
+    "Farthest dependency through `n_layers` stacked layers: the largest q - p in the boolean `n_layers`-th power of A."
+    A = A.float()
     R = A.clone()
     for _ in range(n_layers - 1): R = ((R @ A) > 0).float()                 # reachability through one more layer
+    S = A.shape[0]
     q = torch.arange(S)[:, None].expand(S, S)
     p = torch.arange(S)[None, :].expand(S, S)
     return int(((q - p) * R).max())
+
+def dependency_reach(n_layers:int, n_s:int, n_m:int, S:int|None=None) -> int:
+    "Exact farthest distance q - p over which token p can influence the output at q, from powers of the sliding mask."
+    S = S or (n_layers + 2) * (n_m + n_s) + n_s
+    return reach_from_visibility(xl_equivalent_mask(S, n_s, n_m), n_layers)
