@@ -260,13 +260,9 @@ class CompressiveTransformer(TransformerXL):
                 n_cm:int|None=None # compressed memory length; None = self.n_cm
                ) -> tuple: # (logits (B, T, V), loss or None, new CTState, detached)
         "Algorithm 1 over one or more windows; sets `aux_loss`, `aux_losses` (and `attention_records` if recording)."
-        if tokens.dim() != 2 or tokens.dtype != torch.long:
-            raise TypeError(f"tokens must be a (B, T) LongTensor, got {tuple(tokens.shape)} {tokens.dtype}: use tokens.long() / add a batch dim.")
-        B, T = tokens.shape
-        n_m = self.n_m if n_m is None else n_m
-        n_cm = self.n_cm if n_cm is None else n_cm
-        for name, val in (('n_m', n_m), ('n_cm', n_cm)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 0: raise ValueError(f"{name}={val!r} must be an int >= 0.")
+        B, T = self._check_call(tokens, targets, reset)                         # the TransformerXL checks
+        n_m = self._check_len('n_m', self.n_m if n_m is None else n_m)
+        n_cm = self._check_len('n_cm', self.n_cm if n_cm is None else n_cm)
         if state is None: state = self.init_state(B, tokens.device)
         if not isinstance(state, CTState):
             raise TypeError(f"state must be a CTState, got {type(state).__name__}: pass state=None or model.init_state({B}).")
@@ -276,10 +272,6 @@ class CompressiveTransformer(TransformerXL):
                              f"{L} layers and tokens batch {B}: pass state=None or model.init_state({B}).")
         if self.track_usage and any(u is None for u in state.usage):
             raise ValueError("most-used needs the usage of every memory slot, but state.usage has None: start from model.init_state(B).")
-        if reset is not None and reset.shape != (B,):
-            raise ValueError(f"reset must be a (B,) = ({B},) bool tensor, got shape {tuple(reset.shape)}.")
-        if targets is not None and targets.shape != tokens.shape:
-            raise ValueError(f"targets shape {tuple(targets.shape)} must equal tokens shape {tuple(tokens.shape)}.")
         n_s = self.cfg.n_s
         if self.compression_loss.keeps_graph and T <= n_s and self.training and torch.is_grad_enabled():
             warnings.warn(f"compression_loss='bptt' trains f_c only through a later window of the same call: pass "

@@ -185,23 +185,34 @@ class TransformerXL(nn.Module):
                 n_m:int|None=None # memory length to keep after each window; None = self.n_m
                ) -> tuple: # (logits (B, T, V), loss or None, new XLState)
         "Process the call window by window (n_s tokens each); return logits, mean loss over targets != -100, the next state."
-        if tokens.dim() != 2 or tokens.dtype != torch.long:
-            raise TypeError(f"tokens must be a (B, T) LongTensor, got {tuple(tokens.shape)} {tokens.dtype}: use tokens.long() / add a batch dim.")
-        B, T = tokens.shape
-        n_m = self.n_m if n_m is None else n_m
-        if not isinstance(n_m, int) or n_m < 0: raise ValueError(f"n_m={n_m!r} must be an int >= 0.")
+        B, T = self._check_call(tokens, targets, reset)
+        n_m = self._check_len('n_m', self.n_m if n_m is None else n_m)
         if state is None: state = self.init_state(B, tokens.device)
         if state.batch_size != B or len(state.memories) != len(self.layers):
             raise ValueError(f"state holds {len(state.memories)} layers x batch {state.batch_size} but the model has "
                              f"{len(self.layers)} layers and tokens batch {B}: pass state=None or model.init_state({B}).")
-        if reset is not None and reset.shape != (B,):
-            raise ValueError(f"reset must be a (B,) = ({B},) bool tensor, got shape {tuple(reset.shape)}.")
-        if targets is not None and targets.shape != tokens.shape:
-            raise ValueError(f"targets shape {tuple(targets.shape)} must equal tokens shape {tuple(tokens.shape)}.")
         state = XLState([reset_memory(m, reset) for m in state.memories])   # flagged streams forget before the first window
         logits, state = self._run_windows(tokens, state, n_m=n_m)        # (B, T, V)
         loss = None if targets is None else lm_loss(logits, targets)     # mean over every target of the call
         return logits, loss, state
+
+    @staticmethod
+    def _check_call(tokens:Tensor, targets:Tensor|None, reset:Tensor|None) -> tuple:
+        "Check the shapes of one call's tokens (B, T), targets (B, T) and reset (B,) flags; return (B, T)."
+        if tokens.dim() != 2 or tokens.dtype != torch.long:
+            raise TypeError(f"tokens must be a (B, T) LongTensor, got {tuple(tokens.shape)} {tokens.dtype}: use tokens.long() / add a batch dim.")
+        B, T = tokens.shape
+        if reset is not None and reset.shape != (B,):
+            raise ValueError(f"reset must be a (B,) = ({B},) bool tensor, got shape {tuple(reset.shape)}.")
+        if targets is not None and targets.shape != tokens.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal tokens shape {tuple(tokens.shape)}.")
+        return B, T
+
+    @staticmethod
+    def _check_len(name:str, val) -> int:
+        "A memory length given at call time must be an int >= 0."
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0: raise ValueError(f"{name}={val!r} must be an int >= 0.")
+        return val
 
     def _run_windows(self, tokens:Tensor, state, **kw) -> tuple:
         "Split (B, T) tokens into windows of `cfg.n_s`, run `_window` on each in order carrying the state; (logits (B, T, V), state)."
