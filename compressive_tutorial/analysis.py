@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+from .data import Batch
 from .model import AttentionRecord, CompressiveTransformer, ct_temporal_range, layer_compression_loss
 from .losses import CompressionLoss
 from .train import evaluate
@@ -244,11 +245,12 @@ def window_attention(model:CompressiveTransformer, # a model with `record_attent
                      n_windows:int, # windows to read; the records are those of the last one
                      n_m:int|None=None, # memory slots at evaluation (None: the model's)
                      n_cm:int|None=None # compressed memory slots at evaluation (None: the model's)
-                    ) -> tuple: # ([AttentionRecord] one per layer, the last window's tokens x (B, T))
-    "Every layer's attention record in the last of `n_windows` windows (eval mode, no gradients), with that window's tokens."
+                    ) -> tuple: # ([AttentionRecord] one per layer, the last window: Batch(x, y, reset) on the CPU)
+    "Every layer's attention record in the last of `n_windows` windows (eval mode, no gradients), with that window."
     _check_recordable(model, n_windows)
     out = None
-    for x, _, _, _, recs in _recorded_windows(model, loader, n_windows, n_m, n_cm): out = (list(recs), x.cpu())
+    for x, y, reset, _, recs in _recorded_windows(model, loader, n_windows, n_m, n_cm):
+        out = (list(recs), Batch(x.cpu(), y.cpu(), None if reset is None else reset.cpu()))
     if out is None: raise ValueError("the loader yielded no window: pass a loader of Batch(x, y, reset) windows.")
     return out
 
@@ -291,7 +293,8 @@ def plot_attention_map(record:AttentionRecord, # one layer's attention in one wi
     for name in SEGMENTS:                                               # segment names above their columns
         sl = seg[name]
         if sl.stop > sl.start:
-            label = SEGMENT_NAMES[name] if (sl.stop - sl.start) / K > .25 else {'cm': 'cm', 'm': 'mem.', 'window': 'window'}[name]
+            inches = (sl.stop - sl.start) / K * ax.get_position().width * ax.figure.get_figwidth()   # room for the label
+            label = SEGMENT_NAMES[name] if len(SEGMENT_NAMES[name]) + 5 <= 13 * inches else {'cm': 'cm', 'm': 'mem.', 'window': 'window'}[name]
             ax.text((sl.start + sl.stop - 1) / 2, 1.01, f'{label} ({sl.stop - sl.start})', transform=ax.get_xaxis_transform(),
                     ha='center', va='bottom', fontsize=8, bbox=dict(fc=SEGMENT_COLORS[name], alpha=.25, lw=0, pad=1.5))
     for b in sorted({seg['m'].start, seg['window'].start}):             # boundaries: first memory slot, first window key
@@ -306,25 +309,28 @@ def plot_attention_map(record:AttentionRecord, # one layer's attention in one wi
 
 def plot_attention_maps(records:list, # one AttentionRecord per layer (`window_attention`, `model.attention_records`)
                         stream:int|None=0, # which stream; None: the mean over the streams
-                        heads:bool=False, # False: one panel per layer (heads averaged); True: a row per layer, a panel per head
+                        heads:bool=False, # False: one panel per layer (heads averaged); True: a panel per layer and head
+                        ncols:int|None=None, # panels per row, layer by layer then head by head (None: the heads, or 1)
                         title:str|None=None, # figure title
                         **kwargs # passed on to `plot_attention_map` (gamma, keys, queries)
                        ):
     "Query x key maps of every layer (and head): one panel each, segment boundaries marked, one colour scale."
     import matplotlib.pyplot as plt
-    L, H = len(records), records[0].probs.shape[1]
-    vmax = max(float(attention_map(r, stream, h).max()) for r in records for h in (range(H) if heads else [None]))
-    rows, cols = (L, H) if heads else (L, 1)
+    H = records[0].probs.shape[1]
+    panels = [(i, h) for i in range(len(records)) for h in (range(H) if heads else [None])]   # (layer, head or None)
+    vmax = max(float(attention_map(records[i], stream, h).max()) for i, h in panels)              # one colour scale
+    cols = ncols or (H if heads else 1)
+    rows = -(-len(panels) // cols)
     T, K = records[0].probs.shape[2:]
-    w = min(6.5, max(4.5, 2 + K / 14)) if heads else min(13, max(7, 2.5 + K / 12))
-    fig, axs = plt.subplots(rows, cols, figsize=(w * cols, min(7, max(2.8, 1.6 + T / 12)) * rows), squeeze=False)
-    for i, r in enumerate(records):
-        for j in range(cols):
-            h = j if heads else None
-            plot_attention_map(r, stream, h, ax=axs[i, j], vmax=vmax, colorbar=j == cols - 1,
-                               title=f'layer {i + 1}' + ('' if h is None else f', head {h}'), **kwargs)
-            if j: axs[i, j].set_ylabel('')
-            axs[i, j].set_xlabel('' if i < rows - 1 else 'key, oldest -> newest' if heads else axs[i, j].get_xlabel())
+    w = min(6.5, max(4.5, 2 + K / 14), 16 / cols) if cols > 1 else min(13, max(7, 2.5 + K / 12))   # inches per panel
+    fig, axs = plt.subplots(rows, cols, figsize=(w * cols, min(4.5, max(2.8, 1.6 + T / 24)) * rows), squeeze=False)
+    for n, (i, h) in enumerate(panels):
+        ax = axs[n // cols, n % cols]
+        plot_attention_map(records[i], stream, h, ax=ax, vmax=vmax, colorbar=n % cols == cols - 1 or n == len(panels) - 1,
+                           title=f'layer {i + 1}' + ('' if h is None else f', head {h}'), **kwargs)
+        if n % cols: ax.set_ylabel('')
+        if cols > 1: ax.set_xlabel('key, oldest -> newest' if n // cols == rows - 1 else '')
+    for ax in axs.flat[len(panels):]: ax.axis('off')
     if title: fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
