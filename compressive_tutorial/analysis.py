@@ -287,7 +287,7 @@ def plot_attention_map(record:AttentionRecord, # one layer's attention in one wi
     from matplotlib.patches import Rectangle
     a = attention_map(record, stream, head).numpy()                     # (T, K)
     T, K = a.shape
-    if ax is None: _, ax = plt.subplots(figsize=(min(13, max(7, 2.5 + K / 12)), min(7, max(2.8, 1.6 + T / 12))))
+    if ax is None: _, ax = plt.subplots(figsize=(min(13, max(7, 2.5 + K / 12)), min(4.5, max(2.8, 1.6 + T / 24))))
     im = ax.imshow(a, cmap='Blues', norm=PowerNorm(gamma, vmin=0, vmax=vmax or max(float(a.max()), 1e-12)), aspect='auto', interpolation='nearest')
     seg = record.segments
     for name in SEGMENTS:                                               # segment names above their columns
