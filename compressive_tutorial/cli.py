@@ -20,9 +20,9 @@ from .data import (
     SPLITS, ByteTokenizer, Corpus, StreamLoader, download_file, encode_documents, load_books, load_enwik8, read_text)
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
-from compressive_tutorial.train import (
-    TrainConfig, Trainer, TrainingInterrupted, NonFiniteError, RunFolderBusy, evaluate, sample, load_checkpoint, load_weights, folder_lock, compression_parameters,
-    seed_everything, lr_at)
+from .train import (
+    TrainConfig, Trainer, TrainingInterrupted, NonFiniteError, RunFolderBusy, evaluate, sample, load_checkpoint, load_weights,
+    folder_lock, compression_parameters, seed_everything, lr_at)
 from .synthetic import RecallConfig, recall_models, run_demo
 
 # %% ../nbs/10_cli.ipynb #89566b87
