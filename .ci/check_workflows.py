@@ -6,8 +6,8 @@
 Checks, per workflow file: it parses as YAML (PyYAML, installed with the docs stack) and has what GitHub needs to
 run it: `name`, `on` (triggers), `jobs`, and in every job `runs-on` and a non-empty list of `steps`, each with `uses`
 or `run`. Then the two workflows this project expects:
-  test.yml   runs on push and pull_request, and runs the README's install command and test command (the two lines
-             .ci/run takes from README.md), so that CI and the README cannot drift apart;
+  test.yml   runs on push and pull_request, and runs the README's dev install command and test command (the two lines
+             .ci/run takes from README.md), so that CI and the README cannot drift apart, and `pytest tests` as .ci/run does;
   docs.yml   builds the site with .ci/build_docs.py and publishes it with actions/upload-pages-artifact and
              actions/deploy-pages, with the `pages: write` and `id-token: write` permissions that needs.
 Exit status 1 if any check failed.
@@ -29,11 +29,11 @@ def report(name, problems):
     else: print(f'PASS: workflow {name}')
 
 
-def readme_cmd(prefix):
-    "The first line of README.md that starts with `prefix` (what .ci/run runs)."
+def readme_cmd(pattern):
+    "The first line of README.md that matches the regex `pattern` (the lines .ci/run runs)."
     readme = ROOT / 'README.md'
     lines = readme.read_text(encoding='utf-8').splitlines() if readme.exists() else []
-    return next((l.strip() for l in lines if re.match(rf'^{re.escape(prefix)}( |$)', l)), None)
+    return next((l.strip() for l in lines if re.match(pattern, l)), None)
 
 
 def steps_of(wf):
@@ -71,11 +71,12 @@ def main():
         on = [on] if isinstance(on, str) else list(on)
         probs += [f'does not run on {t}' for t in ('push', 'pull_request') if t not in on]
         runs = [str(s.get('run', '')).strip() for s in steps_of(test)]
-        install, tst = readme_cmd('pip install'), readme_cmd('nbdev_test')
-        if install is None or tst is None: probs.append('README.md shows no install (pip install ...) or test (nbdev_test) command')
+        install, tst = readme_cmd(r'^pip install .*\[dev\]'), readme_cmd(r'^nbdev_test( |$)')     # as .ci/run reads them
+        if install is None or tst is None: probs.append('README.md shows no dev install (pip install ... ".[dev]") or test (nbdev_test) command')
         else:
             if install not in runs: probs.append(f'no step runs the README install command `{install}`')
             if not any(r == tst or r.startswith(tst + ' ') for r in runs): probs.append(f'no step runs the README test command `{tst}`')
+        if (ROOT / 'tests').is_dir() and not any('pytest tests' in r for r in runs): probs.append('no step runs `pytest tests` (as .ci/run does)')
     report('test.yml runs the README install and test commands on push and pull_request', probs)
 
     docs = wfs.get('docs.yml')
