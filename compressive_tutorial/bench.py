@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['BENCH_CPU', 'BENCH_GPU', 'RUNNERS', 'BenchConfig', 'ct_flops_per_token', 'Runner', 'OursRunner', 'LucidrainsRunner',
            'LabmlRunner', 'make_runners', 'mm_flops', 'counted_flops', 'device_peak_flops', 'run_benchmark',
-           'cuda_peak_mib', 'cpu_peak_mib', 'report']
+           'cuda_peak_mib', 'cpu_peak_mib', 'report', 'profile_table']
 
 # %% ../nbs/15_performance.ipynb #b1500004
 import gc, json, math, os, resource, statistics, subprocess, sys, time
@@ -365,3 +365,25 @@ def report(r:dict # what `run_benchmark` returned
     for n, why in r['skipped'].items(): lines.append(f"skipped {n}: {why}")
     lines += ['', 'what one training step computes:'] + [f"  {n}: {v['computes']}" for n, v in res.items()]
     return '\n'.join(lines)
+
+# %% ../nbs/15_performance.ipynb #b1500025
+def profile_table(cfg:BenchConfig, # sizes and device
+                  impl:str='ours-ct', # which implementation
+                  phase:str='train', # 'train' or 'infer'
+                  steps:int=2, # steady-state windows to profile
+                  rows:int=15 # table rows
+                 ) -> str: # torch.profiler's table, the ops that take the most time first
+    "Where the time goes in a few steady-state windows of one implementation (torch.profiler, self time per op)."
+    from torch.profiler import profile, ProfilerActivity
+    if phase not in ('train', 'infer'): raise ValueError(f"phase={phase!r}: use 'train' or 'infer'")
+    if cfg.threads: torch.set_num_threads(cfg.threads)
+    r = make_runners(replace(cfg, impls=(impl,)))[0][impl]
+    x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s), device=cfg.device)
+    step = (lambda: r.train_step(x, x)) if phase == 'train' else (lambda: r.infer_step(x))
+    cuda = cfg.device.startswith('cuda')
+    with _autocast(cfg):
+        for _ in range(cfg.warmup): step()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            for _ in range(steps): step()
+            _sync(cfg.device)
+    return prof.key_averages().table(sort_by='self_cuda_time_total' if cuda else 'self_cpu_time_total', row_limit=rows)
