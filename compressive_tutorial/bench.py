@@ -8,7 +8,7 @@ __all__ = ['BENCH_CPU', 'BENCH_GPU', 'RUNNERS', 'BenchConfig', 'ct_flops_per_tok
            'cuda_peak_mib', 'cpu_peak_mib', 'report', 'profile_table']
 
 # %% ../nbs/15_performance.ipynb #b1500004
-import gc, json, math, os, resource, statistics, subprocess, sys, time
+import gc, json, math, os, statistics, subprocess, sys, time
 from dataclasses import dataclass, asdict, field, replace
 import torch
 import torch.nn as nn
@@ -309,24 +309,30 @@ def cuda_peak_mib(runner:Runner, cfg:BenchConfig, xy) -> tuple:
         out.append(torch.cuda.max_memory_allocated() / 2**20)
     return tuple(out)
 
+def _rss_mib(key:str='VmRSS') -> float:
+    "This process's resident memory (VmRSS) or its high-water mark (VmHWM) in MiB, from /proc (Linux)."
+    with open('/proc/self/status') as f: return int(next(l for l in f if l.startswith(key + ':')).split()[1]) / 1024
+
+def _reset_peak():
+    "Start a new high-water mark: Linux resets VmHWM to the current RSS when 5 is written to clear_refs."
+    with open('/proc/self/clear_refs', 'w') as f: f.write('5')
+
 def _peak_child(name:str, cfg_json:str):
-    "In a fresh process: peak RSS growth over the imports, first for inference, then training (both with full memories)."
+    "In a fresh process: the peak resident memory above the built model, for inference then training (memories full)."
     cfg = BenchConfig(**json.loads(cfg_json))
     if cfg.threads: torch.set_num_threads(cfg.threads)
-    runners, _ = make_runners(replace(cfg, impls=(name,)))
-    r = runners[name]
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = make_runners(replace(cfg, impls=(name,)))[0][name]
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s))
-    with torch.no_grad():
-        for _ in range(cfg.warmup): r.infer_step(x)
-    infer = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    r.reset()
-    for _ in range(cfg.warmup): r.train_step(x, x)
-    train = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps([(train - base) / 1024, (infer - base) / 1024]))   # ru_maxrss is in KiB on Linux
+    out = []
+    for phase in ('infer', 'train'):
+        r.reset(); gc.collect()
+        base = _rss_mib(); _reset_peak()
+        for _ in range(cfg.warmup): r.train_step(x, x) if phase == 'train' else r.infer_step(x)
+        out.append(_rss_mib('VmHWM') - base)
+    print(json.dumps([out[1], out[0]]))
 
 def cpu_peak_mib(name:str, cfg:BenchConfig) -> tuple:
-    "(training, inference) peak resident memory in MiB that one implementation adds to a fresh process (CPU)."
+    "(training, inference) peak resident memory in MiB above a fresh process holding the built model (CPU, Linux)."
     code = f"from compressive_tutorial.bench import _peak_child; _peak_child({name!r}, {json.dumps(json.dumps(asdict(cfg)))})"
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
     if out.returncode: raise RuntimeError(f"peak-memory child for {name} failed:\n{out.stderr[-2000:]}")
@@ -349,13 +355,13 @@ def report(r:dict # what `run_benchmark` returned
     lines += [hdr, '-' * len(hdr)]
     for n, v in res.items():
         ft, fi = v['flops_counted']
-        ratio = lambda ph: f"{v[ph + '_tps'] / res[ref][ph + '_tps']:.2f}x" if has_ref else '-'
+        ratio = lambda ph: f"{statistics.median(a / b for a, b in zip(v[ph], res[ref][ph])):.2f}x" if has_ref else '-'
         pk = v.get('peak_mib')
         lines.append(f"{n:<15}{v['train_tps']:>12,.0f}{ratio('train'):>15}{v['infer_tps']:>13,.0f}{ratio('infer'):>15}"
                      f"{ft / 1e6:>8,.1f}/{fi / 1e6:<9,.1f}{ft * v['train_tps'] / 1e9:>14,.1f}{100 * ft * v['train_tps'] / mm:>7.0f}%"
                      f"{(f'{pk[0]:,.0f}/{pk[1]:,.0f}' if pk else '-'):>17}")
-    lines += ['', '(MFLOP/tok: matmul FLOPs counted by torch.utils.flop_counter in one window, per token; '
-              'tok/s: median over the repetitions)']
+    lines += ['', '(MFLOP/tok: matmul FLOPs counted by torch.utils.flop_counter in one window, per token; tok/s: median over the '
+              'repetitions; x: median of the per-repetition ratios, robust to a slow spell that hits one repetition)']
     f = r['flops_formula']
     lines.append(f"model FLOPs per token (formula, ours): CT train {f['ct-train'] / 1e6:,.1f} M, infer {f['ct-infer'] / 1e6:,.1f} M; "
                  f"TXL train {f['txl-train'] / 1e6:,.1f} M, infer {f['txl-infer'] / 1e6:,.1f} M")
