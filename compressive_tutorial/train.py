@@ -479,7 +479,8 @@ class Trainer:
                           "logged, not trained. Expose the compression network's parameters to train it.")
             self._warned_aux = True
         task_params = self.params + (self.comp_params if not train_aux else [])  # no trained aux loss (BPTT): task loss trains f_c
-        torch.autograd.backward(loss / k, inputs=task_params, retain_graph=train_aux)
+        keep = train_aux and not getattr(model, 'aux_graph_disjoint', False)     # a shared graph must survive the first backward
+        torch.autograd.backward(loss / k, inputs=task_params, retain_graph=keep)
         if train_aux: torch.autograd.backward(aux / k, inputs=self.comp_params)
         layers = getattr(model, 'aux_losses', None)                              # per-layer values, for the history
         grad_norm = None
