@@ -328,19 +328,14 @@ def read_split_table(path, # a SOURCES.tsv-style file: a `file` column and a `sp
     return out
 
 # %% ../nbs/00_data.ipynb #c59ded0b
-def load_books(folder=None, # a folder of .txt books; None: the shared books corpus, `find_shared_data()/'books'`
+def load_books(folder=None, # a folder of .txt books; None: the books corpus, `books_folder()` (shared, else downloaded)
                errors:str='latin-1', # files that are not valid UTF-8: 'strict' | 'latin-1' | 'replace' (see `read_text`)
                strip_boilerplate:bool=True, # remove Project Gutenberg header/footer (`strip_gutenberg`)
                split_file:str='SOURCES.tsv', # table of each file's split, used when present in `folder`
                valid_frac:float=0.1, test_frac:float=0.1, # for `hash_split` of the files the table does not list
               ) -> dict: # {'train': [Document], 'valid': [...], 'test': [...]}
     "A folder of books as documents split by book: PG boilerplate removed, book boundaries kept."
-    if folder is None:
-        folder = find_shared_data()/'books'
-        if not folder.is_dir():
-            where = f"CT_DATA_DIR={os.environ['CT_DATA_DIR']!r}" if os.environ.get('CT_DATA_DIR') else f'the shared data folder {folder.parent}'
-            raise FileNotFoundError(f"{where} has no books/ folder: point CT_DATA_DIR at the folder that holds books/, "
-                                    "or pass a folder of .txt books")
+    if folder is None: folder = books_folder()                          # section 11: works without shared/data too
     folder = Path(folder)
     if not folder.is_dir(): raise FileNotFoundError(f'no folder {folder}: pass the folder that holds the .txt books')
     files = sorted(folder.glob('*.txt'))
