@@ -821,8 +821,14 @@ def books_folder(download:Callable=download_file, # see `fetch_books`
                  sources:list=BOOKS_SOURCES, debs:dict=BIBLE_DEBS, # see `fetch_books`
                 ) -> Path:
     "The books: `find_shared_data()/'books'` when it exists, else `fetch_books` into `data_cache_dir()/'books'`."
+    if os.environ.get('CT_DATA_DIR'):                                   # the user said where: use it, never download
+        books = find_shared_data()/'books'
+        if not books.is_dir():
+            raise FileNotFoundError(f"CT_DATA_DIR={os.environ['CT_DATA_DIR']!r} has no books/ folder: point CT_DATA_DIR at the "
+                                    "folder that holds books/, or unset it to download the books (`fetch_books`)")
+        return books
     try:
         shared = find_shared_data()/'books'
         if shared.is_dir(): return shared
-    except FileNotFoundError: pass
+    except FileNotFoundError: pass                                      # no shared folder (Colab): download
     return fetch_books(data_cache_dir()/'books', download, sources, debs)
