@@ -56,3 +56,25 @@ def test_resume_on_one_rank_continues_the_run(runs):
     assert max(worst.values()) < 1e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:3]   # summation order only
     one = load_checkpoint(runs/'A1'/'last.safetensors')
     print('1 rank straight vs 2 ranks straight:', max((one[0][k] - a[0][k]).abs().max().item() for k in worst))
+
+
+def test_ct_train_under_torchrun(tmp_path):
+    "`ct train` under torchrun with 2 processes: rank 0 reports and writes, the run resumes in one process."
+    import random
+    rng = random.Random(0)
+    words = 'the memory of a compressive transformer keeps old states in a compressed form so that'.split()
+    fixture = tmp_path/'fixture.txt'
+    fixture.write_text('\n'.join(' '.join(rng.choice(words) for _ in range(12)) + '.' for _ in range(600)))
+    micro = ['--preset', 'cpu-tiny', '--set', 'd_model=32', 'n_heads=2', 'd_ff=64', 'n_s=16', 'n_m=8', 'n_cm=8', 'c=2', 'batch_size=4',
+             'eval_batch_size=2', 'valid_batches=4', 'progress=false', 'threads=1', '--device', 'cpu']
+    cli = ['-m', 'compressive_tutorial.cli', 'train']
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', *cli, str(fixture),
+                        '--out', str(tmp_path/'run'), '--steps', '6', *micro], env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count('valid bits per byte:') == 1 and 'DDP over 2 processes' in r.stdout, r.stdout   # rank 0 alone speaks
+    ckpt = load_checkpoint(tmp_path/'run'/'last.safetensors')[1]
+    assert (ckpt['step'], ckpt['world'], ckpt['state_batch_size']) == (6, 2, 4)
+    r = subprocess.run([sys.executable, *cli, '--out', str(tmp_path/'run'), '--resume', '--steps', '8'], env=ENV,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and 'steps 6 -> 8' in r.stdout, r.stdout + r.stderr[-3000:]
+    assert load_checkpoint(tmp_path/'run'/'last.safetensors')[1]['world'] == 1
