@@ -654,6 +654,7 @@ class Trainer:
 
     def _update(self, opt, params, lr:float):
         "Clip the group's total gradient norm, set its learning rate, step, clear the gradients; return the norm before clipping."
+        if all(p.grad is None for p in params): return 0.0                   # no gradient yet (f_c before its first compression)
         for g in opt.param_groups: g['lr'] = lr
         if self.scaler is not None: self.scaler.unscale_(opt)                # fp16: true gradients (and note any inf/NaN)
         clip = math.inf if self.cfg.clip_norm is None else self.cfg.clip_norm  # inf: measure the norm, change nothing
