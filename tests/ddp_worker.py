@@ -46,7 +46,8 @@ def main(phase, out):
     if phase == 'first':                                  # A: 12 steps straight; B: 6 steps, checkpointed (2 ranks)
         model, dl = make(); Trainer(model, dl, cfg=CFG, ckpt_dir=out/'A').fit(12)
         model, dl = make(); Trainer(model, dl, cfg=CFG, ckpt_dir=out/'B').fit(6)
-    if phase == 'resume2' or phase == 'single':           # B resumed to 12, on 2 ranks or on 1
+    if phase in ('first', 'single'):                       # B resumed to 12, on 2 ranks (the same processes) or on 1
+        if world > 1: torch.distributed.barrier()          # rank 0 has written B's checkpoint
         model, dl = make(seed=99)
         folder = out/f'B{world}'
         t = Trainer.resume(out/'B'/'last.safetensors', model, dl, ckpt_dir=folder)

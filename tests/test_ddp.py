@@ -22,8 +22,7 @@ def launch(phase, out, ranks):
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp('ddp')
-    launch('first', out, 2)      # DDP: gradients, run A (12 steps), run B (6 steps, checkpoint)
-    launch('resume2', out, 2)    # B resumed on 2 ranks
+    launch('first', out, 2)      # DDP: gradients, run A (12 steps), run B (6 steps, checkpoint), B resumed by new trainers
     launch('single', out, 1)     # one process: gradients, B resumed on 1 rank, and 12 steps straight
     return out
 
