@@ -50,7 +50,7 @@ def test_resume_on_two_ranks_is_exact(runs):
 def test_resume_on_one_rank_continues_the_run(runs):
     a, c = load_checkpoint(runs/'A'/'last.safetensors'), load_checkpoint(runs/'B1'/'last.safetensors')
     assert c[1]['step'] == 12 and c[1]['world'] == 1
-    worst = {k: (c[0][k] - a[0][k]).abs().max().item() for k in a[0] if k.startswith(('model.', 'state.')) and a[0][k].is_floating_point()}
+    worst = {k: (c[0][k] - a[0][k]).abs().max().item() for k in a[0] if k.startswith(('model.', 'state.')) and a[0][k].is_floating_point() and a[0][k].numel()}   # (empty open windows: nothing to compare)
     print('2 ranks -> checkpoint -> 1 rank, largest difference from the 2-rank run:', max(worst.values()))
     assert max(worst.values()) < 1e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:3]   # summation order only
     one = load_checkpoint(runs/'A1'/'last.safetensors')
