@@ -79,7 +79,7 @@ ENWIK8_PRESETS = {
     'h100': _preset("one H100 (80 GB, bf16): the paper's model and schedule, about 6 hours", 24, 1024, 768, 16, 104_000,
                     dropout=0.1, ckpt_every=2_000),
     'h100-books': _preset('a lent H100 without internet, the books as stand-in: one 30-minute session', 12, 1024, 768, 16,
-                          10_000, dropout=0.1, ckpt_every=500, eval_every=1_000),
+                          6_000, dropout=0.1, ckpt_every=500, eval_every=1_000),
 }
 
 # %% ../nbs/13_enwik8.ipynb #1d70f331
