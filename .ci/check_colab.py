@@ -226,8 +226,8 @@ def child(nb_path:str) -> int:
     return 0
 
 
-def check_data(nb:Path, manifest:Path) -> str|None:
-    "Problem or None; prints what ran."
+def check_data(nb:Path, manifest:Path) -> tuple:
+    "(problem or None, lines saying what ran and what was skipped)."
     with tempfile.TemporaryDirectory(prefix='check-colab-') as tmp:
         (Path(tmp) / 'cache').mkdir()
         env = {k: v for k, v in os.environ.items() if k not in ('CT_DATA_DIR', 'IN_TEST')}
@@ -237,10 +237,8 @@ def check_data(nb:Path, manifest:Path) -> str|None:
                            timeout=300)
     last = (r.stdout.strip().splitlines() or [''])[-1]
     try: res = json.loads(last)
-    except json.JSONDecodeError: return f'the check crashed: {r.stderr.strip()[-600:]}'
-    for line in res.get('ran', []): print(f'    ran {line}')
-    for line in res.get('skipped', []): print(f'    skipped {line}')
-    return res.get('error')
+    except json.JSONDecodeError: return f'the check crashed: {r.stderr.strip()[-600:]}', []
+    return res.get('error'), [f'    ran {l}' for l in res.get('ran', [])] + [f'    skipped {l}' for l in res.get('skipped', [])]
 
 
 def main(argv) -> int:
@@ -254,17 +252,21 @@ def main(argv) -> int:
     except Exception as e: print(f'(no shared books to serve as fixtures: {e})')
     failed, fixtures = 0, tempfile.TemporaryDirectory(prefix='check-colab-fixtures-')
     manifest = make_fixtures(Path(fixtures.name), shared_books) if shared_books is not None and shared_books.is_dir() else None
-    for nb in nbs:
-        rel = nb.relative_to(ROOT).as_posix()
-        cells = json.loads(nb.read_text(encoding='utf-8'))['cells']
-        checks = [('imports', lambda: check_imports(cells))]
-        if manifest is not None: checks.append(('data', lambda: check_data(nb, manifest)))
-        else: print(f'FAIL: {rel} data: the shared books are needed to serve as download fixtures'); failed += 1
-        for name, fn in checks:
-            t0 = time.perf_counter()
-            prob = fn()
-            if prob: print(f'FAIL: {rel} colab {name}: {prob}'); failed += 1
-            else: print(f'PASS: {rel} colab {name} ({time.perf_counter() - t0:.1f} s)')
+    if manifest is None: print('FAIL: colab data: the shared books are needed to serve as download fixtures'); failed += 1
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:                        # two notebooks at a time: each child mostly imports torch
+        t0 = time.perf_counter()
+        data = {nb: pool.submit(check_data, nb, manifest) for nb in nbs} if manifest is not None else {}
+        for nb in nbs:
+            rel = nb.relative_to(ROOT).as_posix()
+            prob = check_imports(json.loads(nb.read_text(encoding='utf-8'))['cells'])
+            if prob: print(f'FAIL: {rel} colab imports: {prob}'); failed += 1
+            else: print(f'PASS: {rel} colab imports')
+            if nb not in data: continue
+            prob, lines = data[nb].result()
+            print('\n'.join(lines)) if lines else None
+            if prob: print(f'FAIL: {rel} colab data: {prob}'); failed += 1
+            else: print(f'PASS: {rel} colab data (done at {time.perf_counter() - t0:.0f} s)')
     fixtures.cleanup()
     return 1 if failed else 0
 
