@@ -263,6 +263,20 @@ a.nbdev-source-link { float: right; font-size: smaller; }
 .tag_nbdev-exported-source .cell_input { border-left: 3px solid var(--color-brand-primary); }
 div.cell_output table { border-collapse: collapse; margin: 0.5em 0; }
 div.cell_output table th, div.cell_output table td { border: 1px solid var(--color-background-border); padding: 0.2em 0.6em; }
+/* Layout: furo's content column is 46em (~740 px), which cuts notebook code lines (up to ~130 characters) and
+   pushes the result columns of wide tables off the page. With the navigation beside it (>= 63em), the column
+   takes the width there is, up to 74em, and code is set at 12 px: at 1280 px a 130-character line fits. */
+@media (min-width: 63em) {
+  .sidebar-drawer { width: calc(50% - 37em); }
+  .main { min-width: 0; }
+  .content { width: auto; flex: 1 1 0; min-width: 0; max-width: 74em; padding: 0 1.5em; }
+}
+div.cell_input pre, div.cell_output pre, .tag_nbdev-showdoc pre { font-size: 12px; }
+/* Wide tables scroll sideways inside the column (the output area, or furo's .table-wrapper for markdown tables),
+   never off the page; compact cells keep the result columns in view as often as possible. */
+div.cell_output .output.text_html, div.cell_output .output.text_markdown { overflow-x: auto; max-width: 100%; }
+div.cell_output table { font-size: 0.85em; }
+div.cell_output table th, div.cell_output table td { padding: 0.15em 0.5em; }
 '''
 
 BADGE = '''<svg xmlns="http://www.w3.org/2000/svg" width="117" height="20" role="img" aria-label="Open In Colab">

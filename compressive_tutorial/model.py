@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from .xl import XLConfig, Memory, empty_memory, fifo_push, reset_memory, XLLayer, TransformerXL, lm_loss, reach_from_visibility
 from .compress import COMPRESSORS, make_compressor, check_divisible, attention_usage
-from .losses import CompressionLoss, make_decoder, compression_loss, check_compression_setup
+from .losses import CompressionLoss, make_decoder, compression_loss, check_compression_setup, projected_reconstruction_loss
 
 # %% ../nbs/05_compressive_transformer.ipynb #b340cb09
 @dataclass
@@ -184,19 +184,25 @@ def layer_compression_loss(layer:XLLayer, # the layer whose memories were compre
                            old:Memory, # (B, k*c, d) the memories it evicted this window
                            new_cm:Tensor, # (B, k, d) f_c(old.mem), with its graph
                            kind:str|CompressionLoss='attention', # 'attention' (Algorithm 2), 'autoencode', 'bptt' or 'none'
-                           decoder:nn.Module|None=None # the layer's decoder g (for 'autoencode')
+                           decoder:nn.Module|None=None, # the layer's decoder g (for 'autoencode')
+                           proj:tuple|None=None # (q, k_old, v_old) the layer's own projections (B, H, n, d_h), for 'attention'
                           ) -> Tensor|None: # scalar; None if nothing was compressed, no stream qualifies, or `kind` has no loss
-    "One layer's auxiliary loss over the streams whose evicted memories are all valid (pre-LN: through a frozen ln1)."
+    "One layer's auxiliary loss over the streams whose evicted memories are all valid (pre-LN: through a frozen ln1); `proj` reuses the layer's projections."
     kind = CompressionLoss(kind)
     if kind in (CompressionLoss.BPTT, CompressionLoss.NONE) or new_cm.shape[1] == 0: return None
     rows = old.valid.all(1)                                              # (B,)
     if not rows.any(): return None
-    if not rows.all(): h, old_mem, new_cm = h[rows], old.mem[rows], new_cm[rows]
+    if not rows.all():
+        h, old_mem, new_cm = h[rows], old.mem[rows], new_cm[rows]
+        if proj is not None: proj = tuple(t[rows] for t in proj)
     else: old_mem = old.mem
     if kind is CompressionLoss.ATTENTION and layer.pre_ln:              # the attention reads ln1(.) of every key
         ln = layer.ln1
         frozen = lambda x: F.layer_norm(x, ln.normalized_shape, ln.weight.detach(), ln.bias.detach(), ln.eps)
-        h, old_mem, new_cm = frozen(h), frozen(old_mem), frozen(new_cm)
+        new_cm = frozen(new_cm)
+        if proj is None: h, old_mem = frozen(h), frozen(old_mem)        # (the layer's own projections already saw ln1)
+    if kind is CompressionLoss.ATTENTION and proj is not None:          # reuse the layer's q and its keys/values of `old`
+        return projected_reconstruction_loss(*proj, new_cm, layer.attn)
     return compression_loss(kind, h, old_mem, new_cm, attn=layer.attn, decoder=decoder)   # detaches h, old, weights itself
 
 # %% ../nbs/05_compressive_transformer.ipynb #fea5904c
@@ -215,6 +221,7 @@ class CompressiveTransformer(TransformerXL):
         self.record_aux = False                      # also compute the aux losses without gradients (as metrics)
         self.compression_hook = None                 # optional hook(i, h, old, new_cm), called after each layer's update
         self.aux_loss, self.aux_losses = None, [None] * cfg.n_layers
+        self.aux_graph_disjoint = True               # aux_loss reads only detached tensors: its graph shares no node with the task loss's
 
     def compression_parameters(self):
         "The parameters of every f_c and decoder g: trained by `aux_loss` (or by the task loss in 'bptt' mode) only."
@@ -230,26 +237,38 @@ class CompressiveTransformer(TransformerXL):
                        [empty_memory(batch_size, d, dev, p.dtype) for _ in self.layers],
                        [usage() for _ in self.layers])
 
-    def _aux(self, i:int, h:Tensor, old:Memory, new_cm:Tensor) -> Tensor|None:
+    def _aux(self, i:int, h:Tensor, old:Memory, new_cm:Tensor, proj:tuple|None=None) -> Tensor|None:
         "Layer i's auxiliary loss on the memories it just evicted; skipped (None) without gradients unless `record_aux`."
         if not (torch.is_grad_enabled() or self.record_aux): return None
         g = None if self.decoders is None else self.decoders[i]
-        return layer_compression_loss(self.layers[i], h, old, new_cm, self.compression_loss, g)
+        return layer_compression_loss(self.layers[i], h, old, new_cm, self.compression_loss, g, proj)
 
     def _layer_step(self, i:int, h:Tensor, m:Memory, cm:Memory, usage, n_m:int, n_cm:int, need_probs:bool) -> tuple:
         "One layer, one window: attend over [cm; m; h], then evict, compress and push. Returns (h', m, cm, usage, aux)."
-        layer = self.layers[i]
-        mem = torch.cat([cm.mem, m.mem], 1)                                  # 4. (B, CM+M, d) compressed memory first
+        layer, CM = self.layers[i], cm.length
         valid = torch.cat([cm.valid, m.valid], 1)                            # (B, CM+M)
-        if need_probs: out, p = layer(h, mem, valid, return_probs=True)      # 5-7, 12. (B, T, d), (B, H, T, CM+M+T)
-        else: out, p = layer(h, mem, valid), None                            # the fused SDPA path
-        if self.record_attention: self.attention_records[i] = AttentionRecord(p.detach(), cm.length, m.length, h.shape[1])
+        cache = self._use_cache()
+        ckv, mkv = (self._cached_kv(layer, cm), self._cached_kv(layer, m)) if cache else (None, None)
+        if ckv is not None and mkv is not None:                              # evaluation: keys/values kept from earlier windows
+            mem, mem_kv = None, ((ckv[0], mkv[0]), (ckv[1], mkv[1]))      # pieces: the attention concatenates once
+        else: mem, mem_kv = torch.cat([cm.mem, m.mem], 1), None             # 4. (B, CM+M, d) compressed memory first
+        r = layer(h, mem, valid, return_probs=need_probs, mem_kv=mem_kv, full=True)  # 5-7, 12. out (B, T, d); k, v over [cm; m; h]
+        p = r.probs                                                          # (B, H, T, CM+M+T) or None
+        if self.record_attention: self.attention_records[i] = AttentionRecord(p.detach(), CM, m.length, h.shape[1])
         if usage is not None:
-            usage = usage + attention_usage(p, cm.length, cm.length + m.length).to(usage.dtype)   # (B, M)
+            usage = usage + attention_usage(p, CM, CM + m.length).to(usage.dtype)   # (B, M)
         upd = update_compressive_memory(m, cm, h, n_m, n_cm, self.cfg.c, self.compressors[i], usage,
                                         keep_graph=self.compression_loss.keeps_graph)            # 8-11
         if self.compression_hook is not None: self.compression_hook(i, h, upd.old, upd.new_cm)
-        return out, upd.m, upd.cm, upd.usage, self._aux(i, h, upd.old, upd.new_cm)
+        n_old = upd.old.length                                               # old = [m; h][:n_old]: keys CM .. CM+n_old-1
+        proj = (r.q, r.k[:, :, CM:CM + n_old], r.v[:, :, CM:CM + n_old])      # the layer's q, and its keys/values of `old`
+        new_m, new_cm = upd.m, upd.cm
+        if cache:                                                            # the new m is the tail of [m; h], so of r.k, r.v
+            new_m = Memory(new_m.mem, new_m.valid, self._keep_kv(layer, r.k, r.v, new_m.length))
+            nk, nv = layer.project_memory(upd.new_cm.to(h.dtype))            # (B, H, n_old/c, d_h): only the new slots
+            ck, cv = torch.cat([r.k[:, :, :CM], nk.to(r.k.dtype)], 2), torch.cat([r.v[:, :, :CM], nv.to(r.v.dtype)], 2)
+            new_cm = Memory(new_cm.mem, new_cm.valid, self._keep_kv(layer, ck, cv, new_cm.length))
+        return r.out, new_m, new_cm, upd.usage, self._aux(i, h, upd.old, upd.new_cm, proj)
 
     def forward(self,
                 tokens:Tensor, # (B, T) long token ids; T > n_s is processed as successive windows of n_s
@@ -291,8 +310,8 @@ class CompressiveTransformer(TransformerXL):
         self.aux_losses = [None if a is None else a.detach() for a in per_layer]
         done = [a for a in per_layer if a is not None]
         self.aux_loss = torch.stack(done).sum() if done else None               # Algorithm 2: sum over layers
-        new = CTState([Memory(m.mem.detach(), m.valid) for m in st.memories],
-                      [Memory(cm.mem.detach(), cm.valid) for cm in st.compressed],
+        new = CTState([Memory(m.mem.detach(), m.valid, m.kv) for m in st.memories],
+                      [Memory(cm.mem.detach(), cm.valid, cm.kv) for cm in st.compressed],
                       [None if u is None else u.detach() for u in st.usage])
         return logits, loss, new
 
