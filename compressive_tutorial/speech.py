@@ -592,7 +592,7 @@ def generate(model:nn.Module, # a trained model of the package's interface
     return mu_law_decode(codes.cpu()).numpy()
 
 # %% ../nbs/11_speech.ipynb #66ff029c
-GPU_STEPS = 5_000   # training steps of each paper-scaled run (see the cost estimate above)
+GPU_STEPS = 2_000   # training steps of each paper-scaled run: the three fit one 30-minute GPU session (estimate above)
 
 def paper_scaled_configs() -> dict: # {'txl': XLConfig, 'ct': CTConfig, 'wavenet': WaveNetConfig}
     "The §5.6 models scaled to one GPU: 8-layer transformers with the paper's windows and memories, a 30-layer WaveNet of the same size."
@@ -618,5 +618,5 @@ def gpu_run(kind:str, # 'txl', 'ct' or 'wavenet'
     data = load_ljspeech() if data is None else data
     folder = data_cache_dir()/'runs'/'11_speech'/'gpu' if folder is None else folder
     return speech_run(kind, paper_scaled_configs()[kind], gpu_train_config(steps), steps=steps, data=data, batch_size=8,
-                      chunk=3840, eval_every=500, eval_streams=16, eval_chunks=8, seed=seed, device=device,
+                      chunk=3840, eval_every=250, eval_streams=16, eval_chunks=8, seed=seed, device=device,
                       name=f'{MODEL_KINDS[kind].name} (GPU) seed {seed}', folder=folder, time_budget_s=time_budget_s)
