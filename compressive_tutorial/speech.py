@@ -6,11 +6,11 @@
 __all__ = ['MU', 'N_CLASSES', 'SAMPLE_RATE', 'FULL_SCALE', 'LJSPEECH_URL', 'LJSPEECH_SHA256', 'LJSPEECH_CLIPS',
            'LJSPEECH_SECONDS', 'LJSPEECH_HELD', 'KINDS', 'KIND_COLORS', 'GPU_STEPS', 'torchaudio_functional',
            'mu_law_encode', 'mu_law_decode', 'read_clip', 'ljspeech_split', 'ljspeech_clips', 'clip_codes',
-           'load_ljspeech', 'code_entropy', 'HeldClips', 'sha256_file', 'pcm_sha256', 'verify_ljspeech', 'get_ljspeech',
-           'WaveNetConfig', 'receptive_field', 'WaveNetState', 'dilated_taps', 'GatedResidualLayer', 'WaveNet',
-           'n_params', 'speech_label', 'model_summary', 'summary_table', 'speech_run', 'describe_speech',
-           'plot_test_curves', 'results_table', 'plot_train_curves', 'plot_audio', 'generate', 'paper_scaled_configs',
-           'gpu_train_config', 'gpu_run']
+           'load_ljspeech', 'save_codes', 'load_codes', 'code_entropy', 'HeldClips', 'sha256_file', 'pcm_sha256',
+           'verify_ljspeech', 'get_ljspeech', 'WaveNetConfig', 'receptive_field', 'WaveNetState', 'dilated_taps',
+           'GatedResidualLayer', 'WaveNet', 'n_params', 'speech_label', 'model_summary', 'summary_table', 'speech_run',
+           'describe_speech', 'plot_test_curves', 'results_table', 'plot_train_curves', 'plot_audio', 'generate',
+           'paper_scaled_configs', 'gpu_train_config', 'gpu_run']
 
 # %% ../nbs/11_speech.ipynb #4cd5649e
 import functools, hashlib, json, re, shutil, tarfile, time
@@ -175,6 +175,27 @@ def load_ljspeech(folder=None, # an LJ Speech folder; None: the 385 clips of the
         starts = np.cumsum([0] + [len(a) for a in arrays[s][:-1]])                  # (clips,) first sample of each clip
         out[s] = Corpus(np.concatenate(arrays[s]), starts, names[s])                # uint8 codes
     return out
+
+# %% ../nbs/11_speech.ipynb #32de87d3
+def save_codes(data:dict, # {split: Corpus} of µ-law codes (`load_ljspeech()`)
+               path, # the .npz file to write
+              ) -> Path:
+    "Keep µ-law corpora in one compressed .npz: per split its codes, clip starts and clip ids."
+    path = Path(path)
+    arrays = {}
+    for s, c in data.items():
+        arrays.update({f'{s}.tokens': c.tokens, f'{s}.doc_starts': c.doc_starts, f'{s}.names': np.asarray(c.names, dtype=str)})
+    np.savez_compressed(path, **arrays)
+    return path
+
+def load_codes(path, # a file written by `save_codes`
+              ) -> dict: # {split: Corpus}
+    "µ-law corpora from a `save_codes` file (no pickle is ever loaded)."
+    path = Path(path)
+    if not path.is_file(): raise FileNotFoundError(f'{path}: no such file. Write it with save_codes(load_ljspeech(), {str(path)!r}).')
+    with np.load(path, allow_pickle=False) as z:
+        splits = sorted({k.rsplit('.', 1)[0] for k in z.files}, key=lambda s: SPLITS.index(s) if s in SPLITS else len(SPLITS))
+        return {s: Corpus(z[f'{s}.tokens'], z[f'{s}.doc_starts'], z[f'{s}.names'].tolist()) for s in splits}
 
 # %% ../nbs/11_speech.ipynb #ad4a542e
 def code_entropy(tokens, # µ-law codes (any integer array)
