@@ -205,6 +205,26 @@ def check(site, reference=None, warnings=None):
                 probs.append(f'{pg}: a table in a cell output is not inside a scrolling box')
     report('layout', sorted(set(probs)))
 
+    # results: every `#| results` cell of a notebook is on the index page, under its title, with its figures
+    probs, idx = [], soups.get('index.html')
+    want = {}
+    for r in rels:
+        for c in json.loads((nbs / r).read_text(encoding='utf-8'))['cells']:
+            src = ''.join(c['source']) if isinstance(c['source'], list) else c['source']
+            m = re.search(r'^#\|\s*results:\s*(.+?)\s*$', src, re.M)
+            if c['cell_type'] == 'code' and m:
+                n = sum(any(k.startswith('image/') for k in o.get('data', {})) for o in c.get('outputs', []))
+                want[m.group(1)] = want.get(m.group(1), 0) + n
+    if want and idx is None: probs.append('index.html is missing')
+    elif want:
+        heads = {norm(h.get_text()).rstrip('#¶ ').strip(): h for h in article(idx).find_all('h3')}
+        for t, n in want.items():
+            if t not in heads: probs.append(f'index.html has no results heading {t!r}'); continue
+            sec = heads[t].find_parent('section')
+            got = len(sec.select('div.cell_output img')) if sec else 0
+            if got < n: probs.append(f'index.html shows {got} figures under {t!r}, its notebook cells have {n}')
+    report('results', probs)
+
     if warnings is not None:
         w = [l for l in Path(warnings).read_text().splitlines() if l.strip()] if Path(warnings).exists() else ['no warnings file']
         report('warnings', w)

@@ -28,18 +28,28 @@ def causal_mask(T:int, # number of queries: the current window
 # %% ../nbs/01_attention.ipynb #fbd629d3
 def attention_mask(T:int, # number of queries: the current window
                    M:int=0, # number of memory slots in front of the window
-                   mem_valid:Tensor|None=None, # (B, M) bool, False marks an empty memory slot; None: all valid
+                   mem_valid:Tensor|None=None, # (B, M) bool, False marks a slot no query may read; None: all valid
+                   first:Tensor|None=None, # (B, T) bool, True where a query starts a new episode; None: no episode starts
                    device=None # where to build the mask
                   ) -> Tensor: # (1 or B, 1, T, M+T) bool, True where attention is allowed
-    "Causal mask AND key validity, shaped to broadcast over heads."
+    "Causal mask AND key validity AND (with `first`) same episode, shaped to broadcast over heads."
     mask = causal_mask(T, M, device)[None, None]                          # (1, 1, T, K)
-    if mem_valid is None: return mask
-    if mem_valid.dim() != 2 or mem_valid.shape[1] != M:
+    if mem_valid is None and first is None: return mask
+    if mem_valid is not None and (mem_valid.dim() != 2 or mem_valid.shape[1] != M):
         raise ValueError(f"mem_valid has shape {tuple(mem_valid.shape)} but the memory holds M={M} slots: "
                          f"pass a (B, {M}) bool mask, one flag per memory slot.")
-    B = mem_valid.shape[0]
-    key_valid = torch.cat([mem_valid.bool(), mem_valid.new_ones(B, T, dtype=torch.bool)], 1)  # (B, K)
-    return mask & key_valid[:, None, None, :]                            # (B, 1, T, K)
+    if first is not None and (first.dim() != 2 or first.shape[1] != T or first.dtype != torch.bool):
+        raise ValueError(f"first must be a (B, T={T}) bool tensor, True at an episode's first step; got {tuple(first.shape)} {first.dtype}.")
+    if mem_valid is not None and first is not None and mem_valid.shape[0] != first.shape[0]:
+        raise ValueError(f"mem_valid is for {mem_valid.shape[0]} streams but first for {first.shape[0]}: pass one row per stream to both.")
+    ref = first if mem_valid is None else mem_valid
+    B = ref.shape[0]
+    mv = ref.new_ones(B, M, dtype=torch.bool) if mem_valid is None else mem_valid.bool()   # (B, M)
+    if first is None: return mask & torch.cat([mv, mv.new_ones(B, T)], 1)[:, None, None, :]   # (B, 1, T, K)
+    e = first.long().cumsum(1)                                            # (B, T) e_i: episode starts up to query i
+    old = mv[:, None, :] & (e == 0)[:, :, None]                          # (B, T, M) memory: only before the call's first start
+    same = e[:, :, None] == e[:, None, :]                                 # (B, T, T) window: query and key in one episode
+    return mask & torch.cat([old, same], 2)[:, None]                     # (B, 1, T, K)
 
 # %% ../nbs/01_attention.ipynb #75161ebc
 def plot_mask(m:Tensor, # (rows, cols) bool or float matrix
@@ -152,7 +162,8 @@ class MultiHeadAttention(nn.Module):
                      mem:Tensor|None=None, # (B, M, d) memory in front of the window; None = no memory (or given as mem_kv)
                      mem_valid:Tensor|None=None, # (B, M) bool, False = empty slot, never attended; None = all valid
                      mem_kv:tuple|None=None, # (keys, values) of the memory, already projected: (B, H, M, d_h) each, or lists of pieces along M
-                     need_probs:bool=False # also compute the attention probabilities (explicit path for this call)
+                     need_probs:bool=False, # also compute the attention probabilities (explicit path for this call)
+                     first:Tensor|None=None # (B, T) bool, True where a query starts a new episode (see `attention_mask`)
                     ) -> AttnResult:
         "Attend from the window over `[mem; h]`; return the output and the projections (q, keys, values over [mem; h])."
         B, T, d = h.shape
@@ -163,7 +174,7 @@ class MultiHeadAttention(nn.Module):
         if mem_kv is not None:                                       # keys, values: a tensor each, or lists of pieces
             pieces = lambda x, w: [t.to(w.dtype) for t in ([x] if torch.is_tensor(x) else x)] + [w]
             k, v = torch.cat(pieces(mem_kv[0], k), 2), torch.cat(pieces(mem_kv[1], v), 2)  # (B, H, K, d_h)
-        mask = attention_mask(T, k.shape[2] - T, mem_valid, h.device)  # (1 or B, 1, T, K)
+        mask = attention_mask(T, k.shape[2] - T, mem_valid, first, h.device)  # (1 or B, 1, T, K)
         a, probs = self.attend(q, k, v, mask, return_probs=True) if need_probs else (self.attend(q, k, v, mask), None)
         return AttnResult(self.o(self.merge_heads(a)), probs, q, k, v)  # out (B, T, d)
 
@@ -171,10 +182,11 @@ class MultiHeadAttention(nn.Module):
                 h:Tensor, # (B, T, d) the window: queries come from here
                 mem:Tensor|None=None, # (B, M, d) memory in front of the window (keys/values only); None = no memory
                 mem_valid:Tensor|None=None, # (B, M) bool, False = empty slot, never attended; None = all valid
-                return_probs:bool=False # also return the attention probabilities (explicit path for this call)
+                return_probs:bool=False, # also return the attention probabilities (explicit path for this call)
+                first:Tensor|None=None # (B, T) bool, True where a query starts a new episode
                ): # (B, T, d), or ((B, T, d), probs (B, H, T, M+T)) with return_probs
-        "Attend from the window over `[mem; h]` with the causal + validity mask."
-        r = self.forward_full(h, mem, mem_valid, need_probs=return_probs)
+        "Attend from the window over `[mem; h]` with the causal + validity (+ episode) mask."
+        r = self.forward_full(h, mem, mem_valid, need_probs=return_probs, first=first)
         return (r.out, r.probs) if return_probs else r.out
 
 # %% ../nbs/01_attention.ipynb #70e2ee91
