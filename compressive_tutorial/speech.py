@@ -26,7 +26,7 @@ from .data import SPLITS, Corpus, StreamLoader, data_cache_dir, find_shared_data
 from .xl import TransformerXL, lm_loss
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, load_checkpoint, sample, seed_everything
-from .experiments import equal_cost_pair, run_label, _nondefault, _run_key
+from .experiments import equal_cost_pair, run_label, _nondefault, _run_key, _sync
 
 # %% ../nbs/11_speech.ipynb #48a9e0b7
 MU = 255                  # µ of 8-bit µ-law: codes 0..µ, so 256 classes
@@ -443,9 +443,6 @@ def summary_table(configs:dict, # {kind: config}
     return '\n'.join(rows)
 
 # %% ../nbs/11_speech.ipynb #d8bc8489
-def _sync(device):
-    if torch.device(device).type == 'cuda': torch.cuda.synchronize(device)
-
 def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
                cfg, # its config: XLConfig, CTConfig or WaveNetConfig
                train_cfg:TrainConfig, # the optimisation (schedule, clipping, logging)
