@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / '.ci'))
 from check_notebooks import notebooks, settings, src  # noqa: E402
 
 # Modules a Colab GPU runtime has before anything is installed (the ones the course may rely on).
-COLAB = {'torch', 'torchvision', 'numpy', 'scipy', 'pandas', 'matplotlib', 'IPython', 'ipykernel', 'google', 'tqdm',
+COLAB = {'torch', 'torchvision', 'torchaudio', 'numpy', 'scipy', 'pandas', 'matplotlib', 'IPython', 'ipykernel', 'google', 'tqdm',
          'PIL', 'requests'}
 # Functions that read the course's data: a top-level call to one of these is a notebook's data path.
 LOADERS = {'find_shared_data', 'books_folder', 'fetch_books', 'load_books', 'books_corpora', 'load_corpus',
