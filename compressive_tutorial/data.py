@@ -4,11 +4,13 @@
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'ENWIK8_URL', 'ENWIK8_SIZE', 'ENWIK8_MD5', 'SPLITS', 'WIKITEXT103_PARQUET', 'PG19_PARQUET',
-           'PG19_WORDS', 'ByteTokenizer', 'Document', 'Corpus', 'encode_documents', 'repo_root', 'data_cache_dir',
+           'PG19_WORDS', 'BOOKS_COLUMNS', 'BOOKS_SOURCES', 'GITENBERG_FILES', 'NLTK_GUTENBERG_ZIP', 'DEBIAN_MIRRORS',
+           'BIBLE_DEBS', 'ByteTokenizer', 'Document', 'Corpus', 'encode_documents', 'repo_root', 'data_cache_dir',
            'find_shared_data', 'md5_file', 'verify_file', 'download_file', 'get_enwik8', 'load_enwik8',
            'strip_gutenberg', 'read_text', 'hash_split', 'read_split_table', 'load_books', 'count_words', 'split_table',
            'load_wikitext103', 'load_pg19', 'SubwordTokenizer', 'train_sentencepiece', 'word_perplexity', 'Batch',
-           'StreamLoader', 'plot_stream_layout']
+           'StreamLoader', 'plot_stream_layout', 'fixture_download', 'books_sources_tsv', 'book_source', 'sha256_file',
+           'verify_sha256', 'extract_deb', 'fetch_books', 'books_folder']
 
 # %% ../nbs/00_data.ipynb #dd36864d
 import csv, hashlib, io, math, os, re, urllib.request, warnings, zipfile
@@ -326,19 +328,14 @@ def read_split_table(path, # a SOURCES.tsv-style file: a `file` column and a `sp
     return out
 
 # %% ../nbs/00_data.ipynb #c59ded0b
-def load_books(folder=None, # a folder of .txt books; None: the shared books corpus, `find_shared_data()/'books'`
+def load_books(folder=None, # a folder of .txt books; None: the books corpus, `books_folder()` (shared, else downloaded)
                errors:str='latin-1', # files that are not valid UTF-8: 'strict' | 'latin-1' | 'replace' (see `read_text`)
                strip_boilerplate:bool=True, # remove Project Gutenberg header/footer (`strip_gutenberg`)
                split_file:str='SOURCES.tsv', # table of each file's split, used when present in `folder`
                valid_frac:float=0.1, test_frac:float=0.1, # for `hash_split` of the files the table does not list
               ) -> dict: # {'train': [Document], 'valid': [...], 'test': [...]}
     "A folder of books as documents split by book: PG boilerplate removed, book boundaries kept."
-    if folder is None:
-        folder = find_shared_data()/'books'
-        if not folder.is_dir():
-            where = f"CT_DATA_DIR={os.environ['CT_DATA_DIR']!r}" if os.environ.get('CT_DATA_DIR') else f'the shared data folder {folder.parent}'
-            raise FileNotFoundError(f"{where} has no books/ folder: point CT_DATA_DIR at the folder that holds books/, "
-                                    "or pass a folder of .txt books")
+    if folder is None: folder = books_folder()                          # section 11: works without shared/data too
     folder = Path(folder)
     if not folder.is_dir(): raise FileNotFoundError(f'no folder {folder}: pass the folder that holds the .txt books')
     files = sorted(folder.glob('*.txt'))
@@ -600,3 +597,238 @@ def plot_stream_layout(loader:StreamLoader, # the loader to draw
     ax.set_title(f'{loader.batch_size} streams x {loader.n_win} windows, {len(loader.doc_starts)} documents')
     ax.legend(loc='upper right', bbox_to_anchor=(1, -0.25), fontsize=8, frameon=False)
     return ax
+
+# %% ../nbs/00_data.ipynb #2e999951
+import platform, shlex, shutil, subprocess, sys, tarfile, tempfile, urllib.error
+
+def fixture_download(files:dict, # {url: local path or bytes}: what each URL serves
+                    ) -> Callable: # `download(url, dest)`, with the URLs it was asked for in `.calls`
+    "A `download(url, dest)` that serves `files` from disk or memory and fails like an offline machine for any other URL."
+    def download(url:str, dest):
+        download.calls.append(url)
+        if url not in files: raise urllib.error.URLError(f'no fixture for {url} (a test without network)')
+        src = files[url]
+        if isinstance(src, (bytes, bytearray)): Path(dest).write_bytes(bytes(src))
+        else: shutil.copyfile(src, dest)
+    download.calls = []
+    return download
+
+# %% ../nbs/00_data.ipynb #b2542380
+BOOKS_COLUMNS = ('file', 'title', 'author', 'year', 'source', 'suggested_split', 'bytes', 'sha256')
+BOOKS_SOURCES = [   # the rows of shared/data/books/SOURCES.tsv (checked against it below), in its order
+    ('pg98.txt', 'A Tale of Two Cities', 'Charles Dickens', 1859, 'GITenberg/A-Tale-of-Two-Cities_98', 'valid', 804335,
+     '2fcfa071498b30724bd1bd714ba89e38477d632b86d74e87559f6259d3917e36'),
+    ('pg76.txt', 'Adventures of Huckleberry Finn', 'Mark Twain', 1884, 'GITenberg/Adventures-of-Huckleberry-Finn_76', 'train', 616320,
+     'cd9931183257a850178225bd5e25e4f2df0cbac544dfe9a49cd0ea5a210c24d9'),
+    ('pg1399.txt', 'Anna Karenina', 'Leo Tolstoy', 1877, 'GITenberg/Anna-Karenina_1399', 'train', 2068089,
+     'ed44f47853a75d27009a011ae6d243fa89b8e03806b1dfcc66c1a80658d6b0c4'),
+    ('pg1023.txt', 'Bleak House', 'Charles Dickens', 1853, 'GITenberg/Bleak-House_1023', 'train', 2001188,
+     '51c12bd20b0c8efbe08578b4966adb9ece1805f2ff8d96e6b02c4562a4797449'),
+    ('pg345.txt', 'Dracula', 'Bram Stoker', 1897, 'GITenberg/Dracula_345', 'test', 883158,
+     'c802711470ddb2aaca81432fc101ed29c154e7c3d32df4172478695c33f68eae'),
+    ('pg1400.txt', 'Great Expectations', 'Charles Dickens', 1861, 'GITenberg/Great-Expectations_1400', 'train', 1049619,
+     'b58ce42c630e06314f2442d5937fa8a8556b6e3c5c16f4713c7332a4bb50b420'),
+    ('pg16215.txt', 'Jack Sheppard: A Romance', 'William Harrison Ainsworth', 1839, 'GITenberg/Jack-Sheppard--A-Romance_16215', 'train', 934286,
+     'c1b00a72015340f131da3b139b4f28dc686d0c944536175c6442159bb2be6869'),
+    ('pg14263.txt', 'Katrine: A Novel', 'Elinor Macartney Lane', 1909, 'GITenberg/Katrine--A-Novel_14263', 'train', 374248,
+     'dc5bed18d3a90cda97ffeae03c59f97c182de19d3538628804a597db7b7e103b'),
+    ('pg145.txt', 'Middlemarch', 'George Eliot', 1871, 'GITenberg/Middlemarch_145', 'train', 1847708,
+     'f499b77eb0e4e34edc3bae6b968e3241c8327384631bd26e8eec76b726915a7d'),
+    ('pg2701.txt', 'Moby-Dick; or, The Whale', 'Herman Melville', 1851, 'GITenberg/Moby-Dick--Or-The-Whale_2701', 'train', 1276201,
+     'baf9b04fcf6e0008f30eaaa6697277751448c1070b20175e0082f28cbb161fd3'),
+    ('pg1342.txt', 'Pride and Prejudice', 'Jane Austen', 1813, 'GITenberg/Pride-and-Prejudice_1342', 'train', 724725,
+     '48e0522844402a86a3ea98f0947ba85ea54838db3c59022299298ed968a5a163'),
+    ('pg2600.txt', 'War and Peace', 'Leo Tolstoy', 1869, 'GITenberg/War-and-Peace_2600', 'train', 3359542,
+     '6cbcc5ca5e590fb9ace161a5b93e4ecf280d7118104be0d63b686c004cfa70ae'),
+    ('austen-emma.txt', 'Emma', 'Jane Austen', 1815, 'nltk/nltk nltk_data/corpora/gutenberg', 'train', 887071,
+     '71b0923d75fcf2f1faa897b22da8de8e2476d7478a2b22388eb58a3420e00215'),
+    ('austen-persuasion.txt', 'Persuasion', 'Jane Austen', 1817, 'nltk/nltk nltk_data/corpora/gutenberg', 'test', 466292,
+     'cec097657cbfeb62aafe178973f514fa07ab66a5e28ea025ebd5d51ca870e40f'),
+    ('austen-sense.txt', 'Sense and Sensibility', 'Jane Austen', 1811, 'nltk/nltk nltk_data/corpora/gutenberg', 'train', 673022,
+     '57b169c7cfa502896dee25bd66616f61cc1d21084caf31f015176ee46fda9718'),
+    ('blake-poems.txt', 'Poems', 'William Blake', 1789, 'nltk/nltk nltk_data/corpora/gutenberg', 'train', 38153,
+     '840897a66e23a47dd1fd56b864f421b2be0af074dc081244f7995bf26939eee9'),
+    ('chesterton-ball.txt', 'The Ball and the Cross', 'G. K. Chesterton', 1909, 'nltk/nltk nltk_data/corpora/gutenberg', 'train', 457450,
+     'c6b6d4e8c09a3f49a09f37f4e47663d4d6f048b62d86c70ccafdfd8f27059a58'),
+    ('chesterton-brown.txt', 'The Innocence of Father Brown', 'G. K. Chesterton', 1911, 'nltk/nltk nltk_data/corpora/gutenberg', 'train', 406629,
+     '67027976205b4b30e367c704807f56c8ffac3e8ea6037d993e57ab1fe28447ec'),
+    ('chesterton-thursday.txt', 'The Man Who Was Thursday', 'G. K. Chesterton', 1908, 'nltk/nltk nltk_data/corpora/gutenberg', 'valid', 320525,
+     '8b431a2a8db84089cd6f83fa66610c3b12c04114609df6e90137c0c58f2c5493'),
+    ('milton-paradise.txt', 'Paradise Lost', 'John Milton', 1667, 'nltk/nltk nltk_data/corpora/gutenberg', 'train', 468220,
+     '49028a77c557de1459e96c026edbe72997be2d9015925f7baefb793cd6fe706f'),
+    ('shakespeare-caesar.txt', 'Julius Caesar', 'William Shakespeare', 1599, 'nltk/nltk nltk_data/corpora/gutenberg', 'train', 112310,
+     '7c46bd32fc84d9596bcad55b61ec3c1a390239acb190b286422855aafc2774b3'),
+    ('shakespeare-hamlet.txt', 'Hamlet', 'William Shakespeare', 1600, 'nltk/nltk nltk_data/corpora/gutenberg', 'train', 162881,
+     '1eceab7027ad7e0cc25c6b6aadcb2e6bb070395cb2085f775ac732d63d5db240'),
+    ('shakespeare-macbeth.txt', 'Macbeth', 'William Shakespeare', 1606, 'nltk/nltk nltk_data/corpora/gutenberg', 'train', 100351,
+     'd4a204352cfe5924cbae76f764225d120e9f7617d39cb8c949dedd3f306353ac'),
+    ('whitman-leaves.txt', 'Leaves of Grass', 'Walt Whitman', 1855, 'nltk/nltk nltk_data/corpora/gutenberg', 'train', 711215,
+     '93ebaf1dccc8f1514b4b1c2f52e64e81829113fc58cff63fb51ada0c72f99c3e'),
+    ('bible-kjv.txt', 'The King James Bible', '(various)', 1611,
+     "Debian package bible-kjv-text 4.38, dumped with: bible -f 'Gen1:1-Rev22:21'", 'train', 4404412,
+     'cd45f0c9cedab8e4439bd6486c8952c77cc8b0ecc5d1f6ae3513f2039f47229d'),
+]
+
+GITENBERG_FILES = {   # book -> (commit, file) in the GitHub repository its `source` names; each matches the table's sha256
+    'pg98.txt': ('0f6111bc7237af7375295ec1754c2e57e19f67f1', '98-0.txt'),
+    'pg76.txt': ('8494afff3a26f95f37376f7a79a014cf818ccaba', '76-0.txt'),
+    'pg1399.txt': ('cb3b12d5db852936e5a3abc05ef02939c9dcfd6e', '1399-0.txt'),
+    'pg1023.txt': ('2fe2ed9f44a699aab35dfc84b69db6753a390c7f', '1023.txt'),
+    'pg345.txt': ('5216d6ea255fbf8966426a160b68251b18f16907', '345.txt'),
+    'pg1400.txt': ('889db0e100928a957f469bf834c564d04065c8e6', '1400-0.txt'),
+    'pg16215.txt': ('53c2275d68a942a3c29d037179f8b89c9b094c3f', '16215.txt'),
+    'pg14263.txt': ('cda5284ad5c11e1928cd4c133c0726c1592bea08', '14263.txt'),
+    'pg145.txt': ('39add53d31f10ba5cecdcbe8c095f90b25fd4b3f', '145.txt'),
+    'pg2701.txt': ('bdf1948e6cd00963730971e5624e764a35f238c3', '2701-0.txt'),
+    'pg1342.txt': ('81db45c9c48c592f0b77f01fc59e677ad0a5634e', '1342-0.txt'),
+    'pg2600.txt': ('fa22ab90f00f627e83d14acabe32d91602d2365d', '2600-0.txt'),
+}
+NLTK_GUTENBERG_ZIP = ('https://raw.githubusercontent.com/nltk/nltk_data/5db857e6f7df11eabb5e5665836db9ec8df07e28/'
+                      'packages/corpora/gutenberg.zip')   # NLTK's Project Gutenberg selection, members gutenberg/<file>
+DEBIAN_MIRRORS = ('https://deb.debian.org/debian/pool/main/b/bible-kjv/',   # tried in order; the snapshot archive keeps
+                  'https://snapshot.debian.org/archive/debian/20230101T000000Z/pool/main/b/bible-kjv/')  # old versions
+BIBLE_DEBS = {'4.38': {   # version -> {package file: sha256}: the program (amd64) and the text it reads
+    'bible-kjv_4.38_amd64.deb': '75a49c032a6efa9faa2beb4a9acb70974380122906329d0e100de36cc88ff02d',
+    'bible-kjv-text_4.38_all.deb': 'd61b6aad4c51ba9e2800b825325fa6a09e99a0d02a9bb6dc4724fcc4995a1b7a'}}
+
+def books_sources_tsv(sources:list=BOOKS_SOURCES, # rows in the order of `BOOKS_COLUMNS`
+                     ) -> str:
+    "The table as the text of a SOURCES.tsv file (tab-separated, one header line)."
+    return ''.join('\t'.join(map(str, r)) + '\n' for r in [BOOKS_COLUMNS, *sources])
+
+_DEBIAN_SOURCE = re.compile(r'^Debian package (?P<package>\S+) (?P<version>\S+), dumped with: (?P<command>.+)$')
+
+def book_source(row, # one row of `BOOKS_SOURCES`
+               ) -> dict: # kind 'file' (url), 'zip' (url, member) or 'debian' (version, command)
+    "Where one book of the table comes from, read from its `file` and `source` columns."
+    file, source = row[0], row[4]
+    if source.startswith('GITenberg/'):
+        if file not in GITENBERG_FILES: raise ValueError(f'{file}: no entry in GITENBERG_FILES for {source}; add (commit, file name)')
+        commit, name = GITENBERG_FILES[file]
+        return dict(kind='file', url=f'https://raw.githubusercontent.com/{source}/{commit}/{name}')
+    if source == 'nltk/nltk nltk_data/corpora/gutenberg': return dict(kind='zip', url=NLTK_GUTENBERG_ZIP, member=f'gutenberg/{file}')
+    m = _DEBIAN_SOURCE.match(source)
+    if m: return dict(kind='debian', version=m['version'], command=m['command'])
+    raise ValueError(f'{file}: no known public source for {source!r}; put the file into the books folder by hand')
+
+# %% ../nbs/00_data.ipynb #79a672d1
+def sha256_file(path, chunk:int=1<<22) -> str:
+    "Hex sha256 of a file, read in chunks."
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        while b := f.read(chunk): h.update(b)
+    return h.hexdigest()
+
+def verify_sha256(path, # the file to check
+                  size:int, # expected size in bytes
+                  sha256:str, # expected hex sha256
+                  what:str='the file', # its name in error messages
+                 ) -> Path:
+    "Check a file's size and sha256; raise a ValueError that says what is wrong and what to do."
+    path, n = Path(path), Path(path).stat().st_size
+    if n != size: raise ValueError(f'{path} has {n:,} bytes but {what} has {size:,}: the file is truncated or not {what}. '
+                                   'Delete it and call again to fetch it again, or replace it by hand.')
+    if (got := sha256_file(path)) != sha256:
+        raise ValueError(f'{path} has sha256 {got} but {what} has sha256 {sha256}: the file is corrupt or not {what}. '
+                         'Delete it and call again to fetch it again, or replace it by hand.')
+    return path
+
+def _ar_members(data:bytes) -> dict:
+    "The members of an `ar` archive (the container of a .deb) as {name: bytes}."
+    if data[:8] != b'!<arch>\n': raise ValueError('not an ar archive (a .deb starts with "!<arch>"): a failed download?')
+    out, pos = {}, 8
+    while pos + 60 <= len(data):
+        head = data[pos:pos + 60]                                       # name[16] date[12] uid[6] gid[6] mode[8] size[10] magic[2]
+        name, size = head[:16].decode().strip().rstrip('/'), int(head[48:58])
+        out[name] = data[pos + 60:pos + 60 + size]
+        pos += 60 + size + size % 2                                     # members start at even offsets
+    return out
+
+def extract_deb(deb, # a Debian package file
+                dest, # the folder its files go to (like `dpkg-deb -x deb dest`)
+               ) -> Path:
+    "Unpack the files of a Debian package (its data.tar.*) into `dest`."
+    members = _ar_members(Path(deb).read_bytes())
+    name = next((n for n in members if n.startswith('data.tar')), None)
+    if name is None: raise ValueError(f'{deb} has no data.tar member: it is not a Debian package')
+    with tarfile.open(fileobj=io.BytesIO(members[name]), mode='r:*') as tf:
+        tf.extractall(dest, **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))   # no absolute paths, no links out
+    return Path(dest)
+
+# %% ../nbs/00_data.ipynb #8e2dee14
+def _download_any(urls, dest:Path, download:Callable, sha256:str|None=None):
+    "Try each URL in turn until one downloads (and, with `sha256`, matches it)."
+    errors = []
+    for url in urls:
+        try:
+            download(url, dest)
+            if sha256 is None or sha256_file(dest) == sha256: return dest
+            errors.append(f'{url}: sha256 {sha256_file(dest)} is not {sha256}')
+        except Exception as e: errors.append(f'{url}: {type(e).__name__}: {e}')
+    raise FileNotFoundError('; '.join(errors))
+
+def _can_run_debian_amd64() -> bool: return sys.platform.startswith('linux') and platform.machine().lower() in ('x86_64', 'amd64')
+
+def _dump_debian(src:dict, dest:Path, download:Callable, work:Path, debs:dict):
+    "Fetch the Debian packages of `src['version']`, unpack them and run `src['command']` with -p on their data; stdout -> dest."
+    if src['version'] not in debs: raise ValueError(f"no packages known for version {src['version']} (BIBLE_DEBS has {list(debs)})")
+    if not _can_run_debian_amd64():
+        raise OSError(f'the Bible is dumped by a Linux x86-64 program, and this machine is {sys.platform}/{platform.machine()}')
+    root = work/'debian-root'
+    for name, sha in debs[src['version']].items():
+        extract_deb(_download_any([m + name for m in DEBIAN_MIRRORS], work/name, download, sha), root)
+    prog, *args = shlex.split(src['command'])
+    exe, lib = root/'usr'/'bin'/prog, root/'usr'/'lib'
+    if not exe.is_file(): raise FileNotFoundError(f'the packages hold no usr/bin/{prog}')
+    exe.chmod(exe.stat().st_mode | 0o100)
+    with open(dest, 'wb') as out:
+        r = subprocess.run([str(exe), '-p', str(lib), *args], stdout=out, stderr=subprocess.PIPE, timeout=600)
+    if r.returncode: raise OSError(f"{src['command']} exited with status {r.returncode}: {r.stderr.decode(errors='replace')[:300]}")
+
+def fetch_books(folder=None, # where the books go; None: `data_cache_dir()/'books'`
+                download:Callable=download_file, # `download(url, dest)`: fetches `url` into the file `dest`
+                sources:list=BOOKS_SOURCES, # the table: rows in the order of `BOOKS_COLUMNS`
+                debs:dict=BIBLE_DEBS, # {version: {Debian package file: sha256}} for the Bible dump
+               ) -> Path: # the folder, holding every book of `sources` and their SOURCES.tsv
+    "Fetch every book of the table that `folder` lacks from its public source, keep it only if size and sha256 match."
+    folder = Path(folder) if folder is not None else data_cache_dir()/'books'
+    folder.mkdir(parents=True, exist_ok=True)
+    todo = [r for r in sources if not (folder/r[0]).exists()]
+    for r in sources:
+        if r not in todo: verify_sha256(folder/r[0], r[6], r[7], what=f'{r[0]} ({r[1]})')   # a book already there: check it
+    if todo:
+        with tempfile.TemporaryDirectory(dir=folder, prefix='.fetch-') as work:
+            work, zips = Path(work), {}
+            for r in tqdm(todo, desc='books', unit='book', disable=len(todo) < 2):
+                src, part = book_source(r), work/r[0]
+                try:
+                    if src['kind'] == 'file': download(src['url'], part)
+                    elif src['kind'] == 'zip':
+                        if src['url'] not in zips:                          # one download per archive
+                            zips[src['url']] = work/f'archive{len(zips)}.zip'; download(src['url'], zips[src['url']])
+                        with zipfile.ZipFile(zips[src['url']]) as z: part.write_bytes(z.read(src['member']))
+                    else: _dump_debian(src, part, download, work, debs)
+                except Exception as e:
+                    raise FileNotFoundError(
+                        f"could not fetch {r[0]} ({r[1]}) from {src.get('url') or r[4]} ({type(e).__name__}: {e}). On a machine "
+                        f"with internet, call again; or put the file at {folder/r[0]} by hand (size {r[6]:,}, sha256 {r[7]}).") from e
+                verify_sha256(part, r[6], r[7], what=f'{r[0]} ({r[1]})')
+                part.replace(folder/r[0])
+    (folder/'SOURCES.tsv').write_text(books_sources_tsv(sources), encoding='utf-8')
+    return folder
+
+def books_folder(download:Callable=download_file, # see `fetch_books`
+                 sources:list=BOOKS_SOURCES, debs:dict=BIBLE_DEBS, # see `fetch_books`
+                ) -> Path:
+    "The books: `find_shared_data()/'books'` when it exists, else `fetch_books` into `data_cache_dir()/'books'`."
+    if os.environ.get('CT_DATA_DIR'):                                   # the user said where: use it, never download
+        books = find_shared_data()/'books'
+        if not books.is_dir():
+            raise FileNotFoundError(f"CT_DATA_DIR={os.environ['CT_DATA_DIR']!r} has no books/ folder: point CT_DATA_DIR at the "
+                                    "folder that holds books/, or unset it to download the books (`fetch_books`)")
+        return books
+    try:
+        shared = find_shared_data()/'books'
+        if shared.is_dir(): return shared
+    except FileNotFoundError: pass                                      # no shared folder (Colab): download
+    return fetch_books(data_cache_dir()/'books', download, sources, debs)
