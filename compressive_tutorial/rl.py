@@ -157,9 +157,11 @@ class MiniGridMemory(gym.Wrapper):
     chance = 0.5                                     # an agent that reaches the choice but forgot the object
     actions = ('left', 'right', 'forward')           # MiniGrid's actions 0, 1, 2
 
-    def __init__(self, env:gym.Env # a MiniGrid Memory environment (`minigrid.envs.MemoryEnv`)
+    def __init__(self, env:gym.Env, # a MiniGrid Memory environment (`minigrid.envs.MemoryEnv`)
+                 start_in_room:bool=False # True: every episode starts in the room, next to the object and facing the hallway
                 ):
         super().__init__(env)
+        self.start_in_room = start_in_room
         from minigrid.core.constants import OBJECT_TO_IDX, COLOR_TO_IDX, STATE_TO_IDX
         shape = env.observation_space['image'].shape
         if len(shape) != 3 or shape[0] != shape[1] or shape[2] != 3:
@@ -178,6 +180,10 @@ class MiniGridMemory(gym.Wrapper):
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
+        if self.start_in_room:                           # the cell beside the object, facing east: the object is in view
+            u = self.env.unwrapped
+            u.agent_pos, u.agent_dir = np.array((1, u.height // 2)), 0
+            obs = u.gen_obs()
         return self._flat(obs), info
 
     def step(self, action):
@@ -188,14 +194,15 @@ class MiniGridMemory(gym.Wrapper):
 def make_minigrid_memory(size:int=7, # the grid is size x size; odd, >= 7 (MiniGrid registers 7, 9, 11, 13, 17)
                          view:int=3, # agent_view_size: the agent sees view x view cells; odd, >= 3
                          random_length:bool=False, # hallway of random length (MiniGrid's S13Random, S17Random)
-                         max_steps:int|None=None # time limit; None = MiniGrid's 5 * size**2
+                         max_steps:int|None=None, # time limit; None = MiniGrid's 5 * size**2
+                         start_in_room:bool=False # True: start beside the object (a departure: no need to go back and look)
                         ) -> gym.Env:
     "MiniGrid's Memory task with a small view, wrapped by `MiniGridMemory`."
     try: from minigrid.envs import MemoryEnv
     except ImportError: raise ImportError("the MiniGrid Memory task needs the minigrid package: pip install minigrid") from None
     if isinstance(size, bool) or not isinstance(size, int) or size < 7 or size % 2 == 0: raise ValueError(f"size={size!r} must be an odd int >= 7.")
     if isinstance(view, bool) or not isinstance(view, int) or view < 3 or view % 2 == 0: raise ValueError(f"view={view!r} must be an odd int >= 3.")
-    return MiniGridMemory(MemoryEnv(size=size, random_length=random_length, max_steps=max_steps, agent_view_size=view))
+    return MiniGridMemory(MemoryEnv(size=size, random_length=random_length, max_steps=max_steps, agent_view_size=view), start_in_room)
 
 MINIGRID_ID = 'compressive_tutorial/MiniGridMemory-v0'
 if MINIGRID_ID not in gym.registry: gym.register(MINIGRID_ID, entry_point=make_minigrid_memory)
@@ -820,9 +827,18 @@ def run_experiment(specs:dict, # name -> the RLConfig fields that differ from `b
                    verbose:bool=True # one line per run
                   ) -> dict: # configs, histories, success by delay, wall times, frames/s, hardware
     "Train every spec with every seed; keep the success curves and the final success at each delay."
+    old_threads = torch.get_num_threads()
+    if base.threads is not None: torch.set_num_threads(base.threads)           # training and evaluation alike
     res = dict(base=asdict(base), specs=specs, seeds=list(seeds), delays=list(delays), histories={}, by_delay={},
                final={}, wall_s={}, fps={}, hardware=hardware())
     t_all = time.perf_counter()
+    try: _run_all(res, specs, base, seeds, delays, episodes_per_env, verbose)
+    finally: torch.set_num_threads(old_threads)
+    res['total_s'] = time.perf_counter() - t_all
+    return res
+
+def _run_all(res, specs, base, seeds, delays, episodes_per_env, verbose):
+    "The loops of `run_experiment`: every spec, every seed; results go into `res`."
     for name, over in specs.items():
         res['histories'][name], res['by_delay'][name], res['final'][name] = [], {D: [] for D in delays}, []
         res['wall_s'][name], res['fps'][name] = [], []
@@ -839,8 +855,6 @@ def run_experiment(specs:dict, # name -> the RLConfig fields that differ from `b
             if verbose:
                 print(f"{name} seed {seed}: {tr.frames:,} frames in {res['wall_s'][name][-1]:.0f} s ({res['fps'][name][-1]:,.0f} frames/s), "
                       f"final success {res['final'][name][-1]:.3f}" + (f", D_max {tr.curriculum.d_max}" if tr.curriculum else ''), flush=True)
-    res['total_s'] = time.perf_counter() - t_all
-    return res
 
 def success_matrix(histories:list # one history per seed
                   ) -> tuple: # (frames (R,), success (seeds, R) with NaN where no episode ended)
@@ -886,10 +900,11 @@ def experiment_table(res:dict # from `run_experiment`
     "One line per configuration: final success (mean, min-max over seeds), success per delay, frames/s, wall time."
     Ds = res['delays']
     lines = [f"base config: {res['base']}", f"hardware: {res['hardware']}; total wall time {res.get('total_s', 0):.0f} s", '',
-             f"{'':14s}{'final':>14s}" + ''.join(f'{"D=" + str(D):>14s}' for D in Ds) + f"{'frames/s':>10s}{'wall s':>8s}"]
+             "success rates: mean over seeds (min-max); 'final' at the training delays, D=... at one fixed delay", '',
+             f"{'':20s}{'final':>18s}" + ''.join(f'{"D=" + str(D):>18s}' for D in Ds) + f"{'frames/s':>10s}{'wall s':>8s}"]
     fmt = lambda v: f"{np.mean(v):.2f} ({np.min(v):.2f}-{np.max(v):.2f})"
     for name in res['histories']:
-        lines.append(f"{name:14s}{fmt(res['final'][name]):>14s}" + ''.join(f"{fmt(res['by_delay'][name][D]):>14s}" for D in Ds)
+        lines.append(f"{name:20s}{fmt(res['final'][name]):>18s}" + ''.join(f"{fmt(res['by_delay'][name][D]):>18s}" for D in Ds)
                      + f"{np.mean(res['fps'][name]):10,.0f}{np.mean(res['wall_s'][name]):8.0f}")
     return '\n'.join(lines)
 
