@@ -7,7 +7,7 @@ PY   := $(if $(BIN),$(BIN)python,python3)
 .PHONY: help test export clean-nbs docs readme check clean
 
 help:
-	@echo "make test       run every notebook's tests (nbdev_test; skips #| slow and #| gpu cells)"
+	@echo "make test       run every notebook's tests (nbdev_test; skips #| slow and #| gpu cells), then pytest tests"
 	@echo "make export     regenerate compressive_tutorial/ from the notebooks (nbdev_export)"
 	@echo "make clean-nbs  strip notebook metadata noise (nbdev_clean)"
 	@echo "make docs       export, then build the docs site into docs/ and README.md from the notebooks (offline)"
@@ -17,6 +17,7 @@ help:
 
 test:
 	$(BIN)nbdev_test --timing
+	$(PY) -m pytest -q tests
 
 export:
 	$(BIN)nbdev_export

@@ -24,7 +24,7 @@ def reqs(key):
 lic = licenses.get(cfg["license"].lower(), (cfg["license"], None))
 min_python = cfg["min_python"]
 extras = {"dev": reqs("dev_requirements"), "docs": reqs("docs_requirements"),
-          "experiments": reqs("experiments_requirements")}
+          "experiments": reqs("experiments_requirements"), "bench": reqs("bench_requirements")}
 extras["all"] = sorted({r for v in extras.values() for r in v})
 
 setuptools.setup(

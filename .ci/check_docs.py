@@ -10,6 +10,7 @@ Checks:
   errors      no error output, traceback or docutils error message on any page
   local-files every local image, script, stylesheet and link target exists (the site works from the filesystem)
   math        pages with math load the local MathJax 3 (no network needed)
+  layout      the stylesheet widens the content column and lets wide output tables scroll; every page loads it
   syntax      no leftover Quarto / nbdev syntax: front matter, `{target=...}`, `#|` lines, raw `$...$`
   warnings    the Sphinx build printed no warnings (with --warnings)
   fresh       the site matches the committed one in --reference (same pages, same text, same images)
@@ -187,6 +188,42 @@ def check(site, reference=None, warnings=None):
             m = re.search(pat, text, re.M)
             if m: probs.append(f'{pg}: {what} {m.group(0)[:40]!r}')
     report('syntax', probs)
+
+    # layout: the stylesheet widens furo's 46em column and lets wide output tables scroll; every page loads it, and
+    # every table in an output sits in a box that scrolls (so its last columns, the results, stay reachable)
+    probs = []
+    css = site / '_static' / 'nbdev.css'
+    if not css.exists(): probs.append('_static/nbdev.css is missing')
+    else:
+        t = css.read_text(encoding='utf-8')
+        if not re.search(r'\.content\s*\{[^}]*max-width', t): probs.append('nbdev.css does not widen the content column (.content { max-width })')
+        if not re.search(r'\.output\.text_html[^{]*\{[^}]*overflow-x:\s*auto', t): probs.append('nbdev.css does not let output tables scroll (overflow-x: auto)')
+    for pg, sp in soups.items():
+        if not any(Path(urlsplit(l.get('href', '')).path).name == 'nbdev.css' for l in sp.find_all('link')): probs.append(f'{pg}: does not load nbdev.css')
+        for tb in article(sp).select('div.cell_output table'):
+            if not tb.find_parent(class_=['text_html', 'text_markdown', 'table-wrapper']):
+                probs.append(f'{pg}: a table in a cell output is not inside a scrolling box')
+    report('layout', sorted(set(probs)))
+
+    # results: every `#| results` cell of a notebook is on the index page, under its title, with its figures
+    probs, idx = [], soups.get('index.html')
+    want = {}
+    for r in rels:
+        for c in json.loads((nbs / r).read_text(encoding='utf-8'))['cells']:
+            src = ''.join(c['source']) if isinstance(c['source'], list) else c['source']
+            m = re.search(r'^#\|\s*results:\s*(.+?)\s*$', src, re.M)
+            if c['cell_type'] == 'code' and m:
+                n = sum(any(k.startswith('image/') for k in o.get('data', {})) for o in c.get('outputs', []))
+                want[m.group(1)] = want.get(m.group(1), 0) + n
+    if want and idx is None: probs.append('index.html is missing')
+    elif want:
+        heads = {norm(h.get_text()).rstrip('#¶ ').strip(): h for h in article(idx).find_all('h3')}
+        for t, n in want.items():
+            if t not in heads: probs.append(f'index.html has no results heading {t!r}'); continue
+            sec = heads[t].find_parent('section')
+            got = len(sec.select('div.cell_output img')) if sec else 0
+            if got < n: probs.append(f'index.html shows {got} figures under {t!r}, its notebook cells have {n}')
+    report('results', probs)
 
     if warnings is not None:
         w = [l for l in Path(warnings).read_text().splitlines() if l.strip()] if Path(warnings).exists() else ['no warnings file']

@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['SEGMENTS', 'QUERIES', 'SEGMENT_COLORS', 'SEGMENT_NAMES', 'bucket_slices', 'attention_buckets', 'segment_mass',
            'mean_sem', 'warmup_windows', 'AttentionBuckets', 'collect_attention', 'plot_attention_buckets',
-           'LayerLosses', 'compression_loss_by_layer', 'plot_compression_loss', 'compression_loss_history',
+           'window_attention', 'attention_map', 'plot_attention_map', 'plot_attention_maps', 'LayerLosses',
+           'compression_loss_by_layer', 'plot_compression_loss', 'compression_loss_history',
            'plot_compression_loss_history', 'eval_across_memory_sizes', 'memory_sweep_table', 'plot_memory_sweep']
 
 # %% ../nbs/07_analysis.ipynb #18f6543b
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+from .data import Batch
 from .model import AttentionRecord, CompressiveTransformer, ct_temporal_range, layer_compression_loss
 from .losses import CompressionLoss
 from .train import evaluate
@@ -139,6 +141,28 @@ class AttentionBuckets:
         return (f"AttentionBuckets({self.n_samples} samples x {self.n_layers} layers x {3 * self.n_buckets} buckets; "
                 f"n_cm={self.n_cm}, n_m={self.n_m}, n_s={self.n_s}, queries={self.queries!r}, {self.windows} windows read)")
 
+def _check_recordable(model, n_windows:int):
+    if not hasattr(model, 'record_attention'):
+        raise TypeError(f"{type(model).__name__} cannot record its attention: use a CompressiveTransformer (notebook 05).")
+    if isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1:
+        raise ValueError(f"n_windows={n_windows!r} must be a positive int.")
+
+def _recorded_windows(model, loader, n_windows:int, n_m:int|None=None, n_cm:int|None=None):
+    "Yield (x, y, reset, state before the window, attention records) for the first `n_windows` windows (eval, no grad, recording on)."
+    dev = next(model.parameters()).device
+    was_training, was_recording = model.training, model.record_attention
+    model.eval(); model.record_attention = True
+    state = None
+    try:
+        for batch in itertools.islice(iter(loader), n_windows):
+            x, y = batch.x.to(dev), batch.y.to(dev)                               # (B, T)
+            reset = None if batch.reset is None else batch.reset.to(dev)          # (B,)
+            before = state
+            with torch.no_grad(): _, _, state = model(x, state, reset=reset, n_m=n_m, n_cm=n_cm)
+            yield x, y, reset, before, model.attention_records                    # one record per layer
+    finally:
+        model.train(was_training); model.record_attention = was_recording
+
 def _full_rows(state, reset, y, n_m:int, n_cm:int) -> Tensor:
     "(B,) bool: streams whose memory and compressed memory are full and all valid for this window, with a complete window."
     B = y.shape[0]
@@ -161,29 +185,16 @@ def collect_attention(model:CompressiveTransformer, # a model with `record_atten
                       n_cm:int|None=None # compressed memory slots at evaluation (None: the model's)
                      ) -> AttentionBuckets:
     "Run `model` over windows with attention recording on and gather per-layer bucket averages of every full-memory sample."
-    if not hasattr(model, 'record_attention'):
-        raise TypeError(f"{type(model).__name__} cannot record its attention: use a CompressiveTransformer (notebook 05).")
-    if isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1:
-        raise ValueError(f"n_windows={n_windows!r} must be a positive int.")
+    _check_recordable(model, n_windows)
     n_m = model.n_m if n_m is None else n_m
     n_cm = model.n_cm if n_cm is None else n_cm
-    dev = next(model.parameters()).device
-    was_training, was_recording = model.training, model.record_attention
-    model.eval(); model.record_attention = True
-    vals, masses, state, T, read = [], [], None, None, 0
-    try:
-        for batch in itertools.islice(iter(loader), n_windows):
-            x, y = batch.x.to(dev), batch.y.to(dev)                               # (B, T)
-            reset = None if batch.reset is None else batch.reset.to(dev)          # (B,)
-            rows = _full_rows(state, reset, y, n_m, n_cm)                         # (B,) samples that count
-            _, _, state = model(x, state, reset=reset, n_m=n_m, n_cm=n_cm)
-            read, T = read + 1, x.shape[1]
-            if rows.any():
-                recs = model.attention_records                                   # one per layer
-                vals.append(torch.stack([attention_buckets(r, n_buckets, queries)[rows] for r in recs], 1).cpu())  # (b, L, 3nb)
-                masses.append(torch.stack([segment_mass(r)[rows] for r in recs], 1).cpu())                         # (b, L, 3)
-    finally:
-        model.train(was_training); model.record_attention = was_recording
+    vals, masses, T, read = [], [], None, 0
+    for x, y, reset, before, recs in _recorded_windows(model, loader, n_windows, n_m, n_cm):
+        rows = _full_rows(before, reset, y, n_m, n_cm)                            # (B,) samples that count
+        read, T = read + 1, x.shape[1]
+        if rows.any():
+            vals.append(torch.stack([attention_buckets(r, n_buckets, queries)[rows] for r in recs], 1).cpu())  # (b, L, 3nb)
+            masses.append(torch.stack([segment_mass(r)[rows] for r in recs], 1).cpu())                         # (b, L, 3)
     if not vals:
         raise ValueError(f"no window had full memories in {read} windows: read more than "
                          f"warmup_windows(n_s, n_m={n_m}, n_cm={n_cm}, c) windows (and check the loader's resets).")
@@ -227,6 +238,102 @@ def plot_attention_buckets(result:AttentionBuckets, # from `collect_attention`
     ax.set_title(title if title is not None else f'{what}; {result.n_samples} windows, n_cm={result.n_cm}, n_m={result.n_m}, n_s={result.n_s}',
                  fontsize=9, pad=16)
     return ax
+
+# %% ../nbs/07_analysis.ipynb #5d1fb200
+def window_attention(model:CompressiveTransformer, # a model with `record_attention` (notebook 05)
+                     loader, # Batch(x, y, reset) windows, read from the first with empty memories
+                     n_windows:int, # windows to read; the records are those of the last one
+                     n_m:int|None=None, # memory slots at evaluation (None: the model's)
+                     n_cm:int|None=None # compressed memory slots at evaluation (None: the model's)
+                    ) -> tuple: # ([AttentionRecord] one per layer, the last window: Batch(x, y, reset) on the CPU)
+    "Every layer's attention record in the last of `n_windows` windows (eval mode, no gradients), with that window."
+    _check_recordable(model, n_windows)
+    out = None
+    for x, y, reset, _, recs in _recorded_windows(model, loader, n_windows, n_m, n_cm):
+        out = (list(recs), Batch(x.cpu(), y.cpu(), None if reset is None else reset.cpu()))
+    if out is None: raise ValueError("the loader yielded no window: pass a loader of Batch(x, y, reset) windows.")
+    return out
+
+# %% ../nbs/07_analysis.ipynb #88e5a572
+def attention_map(record:AttentionRecord, # one layer's attention in one window (`model.attention_records[i]`)
+                  stream:int|None=0, # which stream (batch row); None: the mean over the streams
+                  head:int|None=None # which head; None: the mean over the heads
+                 ) -> Tensor: # (T, K) float64: query t's weight on key j of [cm; m; window]; masked keys are 0
+    "The query x key attention matrix of one layer in one window, for one stream and head (or averaged over them)."
+    _check_record(record)
+    B, H = record.probs.shape[:2]
+    for name, v, n in (('stream', stream, B), ('head', head, H)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n):
+            raise ValueError(f"{name}={v!r} is out of range: use None (the mean) or an int in [0, {n - 1}].")
+    p = record.probs.detach().to(torch.float64)                          # (B, H, T, K)
+    p = p.mean(0) if stream is None else p[stream]                      # (H, T, K)
+    return (p.mean(0) if head is None else p[head]).cpu()               # (T, K)
+
+# %% ../nbs/07_analysis.ipynb #15874a00
+def plot_attention_map(record:AttentionRecord, # one layer's attention in one window
+                       stream:int|None=0, # which stream; None: the mean over the streams
+                       head:int|None=None, # which head; None: the mean over the heads
+                       ax=None, # matplotlib axes; None makes a new figure
+                       gamma:float=0.5, # colour scale: weight ** gamma (0.5 keeps weights of a few percent visible); 1: linear
+                       vmax:float|None=None, # weight at the top of the colour scale (None: the map's largest)
+                       keys:list|None=None, # key columns to outline (e.g. the compressed slot that holds a cue)
+                       queries:list|None=None, # query rows to outline
+                       title:str|None=None, # panel title (None: what is shown)
+                       colorbar:bool=True # draw a colour bar beside the panel
+                      ):
+    "Heatmap of `attention_map`: queries down, keys across [compressed memory | memory | window], segment boundaries marked."
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import PowerNorm
+    from matplotlib.patches import Rectangle
+    a = attention_map(record, stream, head).numpy()                     # (T, K)
+    T, K = a.shape
+    if ax is None: _, ax = plt.subplots(figsize=(min(13, max(7, 2.5 + K / 12)), min(4.5, max(2.8, 1.6 + T / 24))))
+    im = ax.imshow(a, cmap='Blues', norm=PowerNorm(gamma, vmin=0, vmax=vmax or max(float(a.max()), 1e-12)), aspect='auto', interpolation='nearest')
+    seg = record.segments
+    for name in SEGMENTS:                                               # segment names above their columns
+        sl = seg[name]
+        if sl.stop > sl.start:
+            inches = (sl.stop - sl.start) / K * ax.get_position().width * ax.figure.get_figwidth()   # room for the label
+            label = SEGMENT_NAMES[name] if len(SEGMENT_NAMES[name]) + 5 <= 13 * inches else {'cm': 'cm', 'm': 'mem.', 'window': 'window'}[name]
+            ax.text((sl.start + sl.stop - 1) / 2, 1.01, f'{label} ({sl.stop - sl.start})', transform=ax.get_xaxis_transform(),
+                    ha='center', va='bottom', fontsize=8, bbox=dict(fc=SEGMENT_COLORS[name], alpha=.25, lw=0, pad=1.5))
+    for b in sorted({seg['m'].start, seg['window'].start}):             # boundaries: first memory slot, first window key
+        if 0 < b < K: ax.axvline(b - .5, color='k', lw=1.2, ls='--')
+    for k in keys or []: ax.add_patch(Rectangle((k - .5, -.5), 1, T, fill=False, ec='tab:red', lw=1.5))
+    for q in queries or []: ax.add_patch(Rectangle((-.5, q - .5), K, 1, fill=False, ec='tab:red', lw=1.5))
+    ax.set_xlabel('key: [compressed memory; memory; window], oldest -> newest'); ax.set_ylabel('query (window position)')
+    what = ('mean over heads' if head is None else f'head {head}') + (', mean over streams' if stream is None else f', stream {stream}')
+    ax.set_title(title if title is not None else what, fontsize=9, pad=16)
+    if colorbar: plt.colorbar(im, ax=ax, fraction=.03, pad=.01, label=f'weight (colour ~ weight^{gamma:g})')
+    return ax
+
+def plot_attention_maps(records:list, # one AttentionRecord per layer (`window_attention`, `model.attention_records`)
+                        stream:int|None=0, # which stream; None: the mean over the streams
+                        heads:bool=False, # False: one panel per layer (heads averaged); True: a panel per layer and head
+                        ncols:int|None=None, # panels per row, layer by layer then head by head (None: the heads, or 1)
+                        title:str|None=None, # figure title
+                        **kwargs # passed on to `plot_attention_map` (gamma, keys, queries)
+                       ):
+    "Query x key maps of every layer (and head): one panel each, segment boundaries marked, one colour scale."
+    import matplotlib.pyplot as plt
+    H = records[0].probs.shape[1]
+    panels = [(i, h) for i in range(len(records)) for h in (range(H) if heads else [None])]   # (layer, head or None)
+    vmax = max(float(attention_map(records[i], stream, h).max()) for i, h in panels)              # one colour scale
+    cols = ncols or (H if heads else 1)
+    rows = -(-len(panels) // cols)
+    T, K = records[0].probs.shape[2:]
+    w = min(6.5, max(4.5, 2 + K / 14), 16 / cols) if cols > 1 else min(13, max(7, 2.5 + K / 12))   # inches per panel
+    fig, axs = plt.subplots(rows, cols, figsize=(w * cols, min(4.5, max(2.8, 1.6 + T / 24)) * rows), squeeze=False)
+    for n, (i, h) in enumerate(panels):
+        ax = axs[n // cols, n % cols]
+        plot_attention_map(records[i], stream, h, ax=ax, vmax=vmax, colorbar=n % cols == cols - 1 or n == len(panels) - 1,
+                           title=f'layer {i + 1}' + ('' if h is None else f', head {h}'), **kwargs)
+        if n % cols: ax.set_ylabel('')
+        if cols > 1: ax.set_xlabel('key, oldest -> newest' if n // cols == rows - 1 else '')
+    for ax in axs.flat[len(panels):]: ax.axis('off')
+    if title: fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
 
 # %% ../nbs/07_analysis.ipynb #df0d8f4a
 @dataclass

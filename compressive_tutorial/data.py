@@ -11,7 +11,7 @@ __all__ = ['IGNORE_INDEX', 'ENWIK8_URL', 'ENWIK8_SIZE', 'ENWIK8_MD5', 'SPLITS', 
            'StreamLoader', 'plot_stream_layout']
 
 # %% ../nbs/00_data.ipynb #dd36864d
-import csv, hashlib, io, math, os, re, urllib.request, zipfile
+import csv, hashlib, io, math, os, re, urllib.request, warnings, zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -276,6 +276,7 @@ def strip_gutenberg(text:str, # a book, line endings already normalised to '\n'
 # %% ../nbs/00_data.ipynb #fc2328e9
 SPLITS = ('train', 'valid', 'test')
 _SPLIT_ALIASES = {'train': 'train', 'valid': 'valid', 'validation': 'valid', 'dev': 'valid', 'test': 'test'}
+_CONTROL = bytes([*range(9), *range(14, 32), 127])   # control bytes that text does not contain (tab, newlines and form feed excepted)
 
 def read_text(path, # a text file
               errors:str='latin-1', # not valid UTF-8: 'strict' raises, 'latin-1' decodes the file as Latin-1, 'replace' puts U+FFFD
@@ -291,6 +292,11 @@ def read_text(path, # a text file
                              f'(near {raw[max(0, e.start - 20):e.start + 10]!r}). Convert the file to UTF-8, or pass '
                              "errors='latin-1' (decode such files as Latin-1) or errors='replace' (U+FFFD).") from None
         text, enc = (raw.decode('latin-1'), 'latin-1') if errors == 'latin-1' else (raw.decode('utf-8', 'replace'), 'utf-8+replace')
+    n_ctrl = len(raw) - len(raw.translate(None, _CONTROL))
+    if n_ctrl > len(raw) // 1000:                                         # more than 0.1%: binary data, not text
+        warnings.warn(f"{path} does not look like text: {n_ctrl:,} of its {len(raw):,} bytes are control bytes (NUL and the like)"
+                      + ('' if enc == 'utf-8' else f", and it is not UTF-8, so it is decoded as {enc} and its bytes change") + "; pass a text file",
+                      stacklevel=2)
     return text.lstrip('\ufeff').replace('\r\n', '\n').replace('\r', '\n'), enc
 
 def hash_split(names:list, # file names
@@ -327,7 +333,13 @@ def load_books(folder=None, # a folder of .txt books; None: the shared books cor
                valid_frac:float=0.1, test_frac:float=0.1, # for `hash_split` of the files the table does not list
               ) -> dict: # {'train': [Document], 'valid': [...], 'test': [...]}
     "A folder of books as documents split by book: PG boilerplate removed, book boundaries kept."
-    folder = Path(folder) if folder is not None else find_shared_data()/'books'
+    if folder is None:
+        folder = find_shared_data()/'books'
+        if not folder.is_dir():
+            where = f"CT_DATA_DIR={os.environ['CT_DATA_DIR']!r}" if os.environ.get('CT_DATA_DIR') else f'the shared data folder {folder.parent}'
+            raise FileNotFoundError(f"{where} has no books/ folder: point CT_DATA_DIR at the folder that holds books/, "
+                                    "or pass a folder of .txt books")
+    folder = Path(folder)
     if not folder.is_dir(): raise FileNotFoundError(f'no folder {folder}: pass the folder that holds the .txt books')
     files = sorted(folder.glob('*.txt'))
     if not files: raise ValueError(f'empty corpus: {folder} has no .txt files')

@@ -6,7 +6,7 @@
 __all__ = ['TABLE_COLUMNS', 'books_corpora', 'equal_cost_pair', 'run_label', 'run', 'describe', 'results_table', 'plot_curves']
 
 # %% ../nbs/09_books_char.ipynb #036c09e6
-import hashlib, json, math, re, time
+import hashlib, json, math, re, shutil, time
 from dataclasses import asdict, fields, MISSING
 from pathlib import Path
 import torch
@@ -113,7 +113,12 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
         if len(dl) < eval_windows:
             raise ValueError(f"the {split} split has only {len(dl)} windows of {eval_batch_size} streams x n_s={cfg.n_s}; "
                              f"lower eval_windows={eval_windows} or eval_batch_size")
-    trainer = Trainer(model, train_dl, valid_dl, train_cfg)
+    ckpt = None if cache is None else wpath.with_suffix('.ckpt')                     # while it trains: an exact-resume checkpoint
+    if ckpt is not None and (ckpt/'last.safetensors').is_file():                      # an earlier call was interrupted: go on from there
+        trainer = Trainer.resume(ckpt/'last.safetensors', model, train_dl, valid_dl, train_cfg, ckpt_dir=ckpt)
+        if verbose: print(f'{name}: resuming at step {trainer.step} of {steps} from {ckpt}')
+    else: trainer = Trainer(model, train_dl, valid_dl, train_cfg, ckpt_dir=ckpt)
+    resumed_at = trainer.step
     t0 = time.perf_counter(); trainer.fit(steps); _sync(dev); wall = time.perf_counter() - t0
     t0 = time.perf_counter()
     ev = {s: evaluate(model, dl, max_batches=eval_windows) for s, dl in (('valid', valid_dl), ('test', test_dl))}
@@ -124,7 +129,7 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
                eval_bytes=ev['valid']['tokens'], test_bytes=ev['test']['tokens'], wall_s=wall, eval_s=eval_s,
                curve=trainer.history, steps=steps, train_bytes=steps * batch_size * cfg.n_s, unroll=unroll,
                params=sum(p.numel() for p in model.parameters()), compression_params=n_comp,
-               hardware=hardware(dev), device=dev.type, seed=seed, key=key, cached=False, date=time.strftime('%Y-%m-%d %H:%M'),
+               hardware=hardware(dev), device=dev.type, seed=seed, resumed_at=resumed_at, key=key, cached=False, date=time.strftime('%Y-%m-%d %H:%M'),
                **memory_summary(cfg), **{f'cfg.{k}': v for k, v in asdict(cfg).items()},
                **{f'train_cfg.{k}': v for k, v in asdict(train_cfg).items()},
                batch_size=batch_size, eval_windows=eval_windows, eval_batch_size=eval_batch_size)
@@ -134,12 +139,14 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
         jpath.write_text(json.dumps(res, default=str))
     res.update(model=model, cfg_obj=cfg)
     if verbose: print(describe(res))
+    if ckpt is not None: shutil.rmtree(ckpt, ignore_errors=True)                      # the result is kept: the checkpoint is done
     return res
 
 def describe(res:dict) -> str:
     "One line: the result, how many bytes it was measured on, the wall time, the hardware and the config."
     cfg = {k[4:]: v for k, v in res.items() if k.startswith('cfg.') and k[4:] in ('d_model', 'n_heads', 'n_layers', 'd_ff', 'n_s', 'dropout')}
     how = f"trained {res['date']}" + (', loaded from the cache' if res.get('cached') else '')
+    if res.get('resumed_at'): how += f", resumed at step {res['resumed_at']} (the wall time is that last part's)"
     return (f"{res['name']}: valid {res['valid_bpb']:.3f}, test {res['test_bpb']:.3f} bits/byte "
             f"({res['eval_windows']} windows x {res['eval_batch_size']} streams = {res['eval_bytes']:,} bytes each) | "
             f"{res['steps']} steps x {res['batch_size']} x {res['cfg.n_s']} = {res['train_bytes']:,} training bytes in "

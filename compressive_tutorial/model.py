@@ -10,15 +10,15 @@ __all__ = ['MODEL_KINDS', 'CTConfig', 'CompressiveUpdate', 'update_compressive_m
 
 # %% ../nbs/05_compressive_transformer.ipynb #652fedbc
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .xl import XLConfig, Memory, empty_memory, fifo_push, reset_memory, XLLayer, TransformerXL, lm_loss, reach_from_visibility
+from .xl import XLConfig, Memory, empty_memory, fifo_push, visible_after, mask_memory, XLLayer, TransformerXL, lm_loss, reach_from_visibility
 from .compress import COMPRESSORS, make_compressor, check_divisible, attention_usage
-from .losses import CompressionLoss, make_decoder, compression_loss, check_compression_setup
+from .losses import CompressionLoss, make_decoder, compression_loss, check_compression_setup, projected_reconstruction_loss
 
 # %% ../nbs/05_compressive_transformer.ipynb #b340cb09
 @dataclass
@@ -55,8 +55,9 @@ class CompressiveUpdate(NamedTuple):
     old:Memory              # (B, k*c, d) the memories evicted from m this step: f_c's input and the reconstruction target
     new_cm:Tensor           # (B, k, d) f_c(old) with its graph (for the auxiliary losses); (B, 0, d) if nothing was compressed
     dropped:Memory          # the oldest compressed slots pushed out of cm (forgotten for good)
-    usage:Tensor|None       # (B, M') attention usage of the kept memories, in step with m (None if not tracked)
-    old_usage:Tensor|None   # (B, k*c) usage of the evicted memories, what most-used ranks (None if not tracked)
+    usage:Tensor|None       # (B, M') attention the kept memories received so far, summed, in step with m (None if not tracked)
+    old_usage:Tensor|None   # (B, k*c) average attention per window of the evicted memories: what most-used ranks
+    age:Tensor|None         # (B, M') windows each kept memory has spent in m (None if not tracked)
 
 def update_compressive_memory(m:Memory, # the layer's memory before this window (B, M, d), oldest first
                               cm:Memory, # the layer's compressed memory (B, CM, d), oldest first
@@ -64,22 +65,27 @@ def update_compressive_memory(m:Memory, # the layer's memory before this window 
                               n_m:int, # memory capacity
                               n_cm:int, # compressed memory capacity; 0 = no compression (Transformer-XL)
                               c:int, # compression rate: evict in blocks of c, each block becomes one slot
-                              f_c=None, # the compression function: f_c(old (B, k*c, d), usage) -> (B, k, d)
-                              usage:Tensor|None=None, # (B, M) attention each memory slot received so far; None = not tracked
-                              keep_graph:bool=False # store f_c's output with its graph (BPTT); else detached
+                              f_c=None, # the compression function: f_c(old (B, k*c, d), usage, valid) -> (B, k, d)
+                              usage:Tensor|None=None, # (B, M) attention each memory slot received, this window's included; None = not tracked
+                              keep_graph:bool=False, # store f_c's output with its graph (BPTT); else detached
+                              h_valid:Tensor|None=None, # (B, T) bool: which of the window's states stay readable; None = all
+                              age:Tensor|None=None # (B, M) windows each slot spent in m before this one (with usage)
                              ) -> CompressiveUpdate:
     "Algorithm 1, lines 8-11: push the window into m, compress what m evicts (whole blocks of c) into cm."
     B, T, _ = h.shape
+    if (usage is None) != (age is None): raise ValueError("update_compressive_memory: pass usage and age together (most-used ranks usage / age).")
     n_old = max(0, m.length + T - n_m)                                  # states beyond the capacity
     if n_cm > 0: n_old = n_old // c * c                                 # only whole blocks: the rest waits in m
-    kept, old = fifo_push(m, h, m.length + T - n_old)                   # 8, 10: old = oldest n_old of concat(m, h), detached
+    kept, old = fifo_push(m, h, m.length + T - n_old, h_valid)          # 8, 10: old = oldest n_old of concat(m, h), detached
     old_usage = None
     if usage is not None:
-        u = torch.cat([usage, usage.new_zeros(B, T)], 1)                # (B, M+T) new memories start unused
-        usage, old_usage = u[:, n_old:], u[:, :n_old]                   # evict the same entries as m
+        z = usage.new_zeros(B, T)                                       # new memories start unused, unaged
+        u, a = torch.cat([usage, z], 1), torch.cat([age + 1, z], 1)     # (B, M+T): m's slots spent this window in memory
+        usage, age = u[:, n_old:], a[:, n_old:]                         # evict the same entries as m
+        old_usage = u[:, :n_old] / a[:, :n_old].clamp(min=1)            # average per window in m (0 if it never was)
     if n_cm > 0 and n_old > 0:
         if f_c is None: raise ValueError("update_compressive_memory: memories are evicted and n_cm > 0, so pass f_c.")
-        new_cm = f_c(old.mem, old_usage)                                # 9. (B, n_old/c, d)
+        new_cm = f_c(old.mem, old_usage, old.valid)                     # 9. (B, n_old/c, d)
         if new_cm.shape != (B, n_old // c, old.mem.shape[2]):
             raise ValueError(f"f_c mapped {tuple(old.mem.shape)} to {tuple(new_cm.shape)}; expected {(B, n_old // c, old.mem.shape[2])}.")
         new_valid = old.valid.view(B, n_old // c, c).all(2)             # (B, n_old/c) valid iff all c sources were
@@ -90,7 +96,7 @@ def update_compressive_memory(m:Memory, # the layer's memory before this window 
     ok = torch.cat([cm.valid, new_valid], 1)                            # (B, CM+k)
     cut = max(0, x.shape[1] - n_cm)                                     # 11. keep the newest n_cm (x[-0:] would keep all)
     return CompressiveUpdate(kept, Memory(x[:, cut:], ok[:, cut:]), old, new_cm,
-                             Memory(x[:, :cut], ok[:, :cut]), usage, old_usage)
+                             Memory(x[:, :cut], ok[:, :cut]), usage, old_usage, age)
 
 # %% ../nbs/05_compressive_transformer.ipynb #7f8864e3
 @dataclass
@@ -152,10 +158,12 @@ def plot_fifo_trace(trace:list, # [FifoStep] from `fifo_trace`
 # %% ../nbs/05_compressive_transformer.ipynb #57317860
 @dataclass
 class CTState:
-    "What a CompressiveTransformer carries between windows, per layer (layer 0 first); all detached."
+    "What a CompressiveTransformer carries between calls, per layer (layer 0 first); all detached."
     memories:list     # [Memory] m: the layer's recent inputs (B, M, d), oldest first
     compressed:list   # [Memory] cm: compressed older inputs (B, CM, d), oldest first
-    usage:list        # [(B, M) float or None] attention each memory slot has received (most-used only)
+    usage:list        # [(B, M) float or None] attention each memory slot has received, summed (most-used only)
+    window:list|None = None   # [Memory] the layer's inputs of the open window's steps so far (B, P, d), P < n_s; None = none
+    age:list|None = None      # [(B, M) float or None] windows each memory slot has spent in m: usage / age is its average
 
     @property
     def batch_size(self) -> int: return self.memories[0].mem.shape[0]
@@ -163,20 +171,25 @@ class CTState:
     def lengths(self) -> list: return [m.length for m in self.memories]
     @property
     def compressed_lengths(self) -> list: return [cm.length for cm in self.compressed]
+    @property
+    def open_steps(self) -> int:
+        "P: steps of the current window already seen (0 at a window boundary)."
+        return self.window[0].length if self.window else 0
 
 @dataclass
 class AttentionRecord:
-    "One layer's attention in the last window: probabilities over keys [cm; m; window] and the segment sizes."
-    probs:Tensor   # (B, H, T, n_cm + n_m + T) attention probabilities (detached), masked keys get 0
+    "One layer's attention in the last call's last window: probabilities over keys [cm; m; window] and the segment sizes."
+    probs:Tensor   # (B, H, T, n_cm + n_m + n_open + T) attention probabilities (detached), masked keys get 0
     n_cm:int       # compressed memory slots in front (masked ones included)
     n_m:int        # memory slots after them
-    T:int          # window length
+    T:int          # queries: this call's steps of the window
+    n_open:int = 0 # the window's earlier steps, from previous calls (keys between m and the queries' own)
 
     @property
     def segments(self) -> dict:
         "Key columns of each segment: {'cm': slice, 'm': slice, 'window': slice}."
         a, b = self.n_cm, self.n_cm + self.n_m
-        return {'cm': slice(0, a), 'm': slice(a, b), 'window': slice(b, b + self.T)}
+        return {'cm': slice(0, a), 'm': slice(a, b), 'window': slice(b, b + self.n_open + self.T)}
 
 # %% ../nbs/05_compressive_transformer.ipynb #5255c71c
 def layer_compression_loss(layer:XLLayer, # the layer whose memories were compressed (its attention; its ln1 if pre-LN)
@@ -184,19 +197,25 @@ def layer_compression_loss(layer:XLLayer, # the layer whose memories were compre
                            old:Memory, # (B, k*c, d) the memories it evicted this window
                            new_cm:Tensor, # (B, k, d) f_c(old.mem), with its graph
                            kind:str|CompressionLoss='attention', # 'attention' (Algorithm 2), 'autoencode', 'bptt' or 'none'
-                           decoder:nn.Module|None=None # the layer's decoder g (for 'autoencode')
+                           decoder:nn.Module|None=None, # the layer's decoder g (for 'autoencode')
+                           proj:tuple|None=None # (q, k_old, v_old) the layer's own projections (B, H, n, d_h), for 'attention'
                           ) -> Tensor|None: # scalar; None if nothing was compressed, no stream qualifies, or `kind` has no loss
-    "One layer's auxiliary loss over the streams whose evicted memories are all valid (pre-LN: through a frozen ln1)."
+    "One layer's auxiliary loss over the streams whose evicted memories are all valid (pre-LN: through a frozen ln1); `proj` reuses the layer's projections."
     kind = CompressionLoss(kind)
     if kind in (CompressionLoss.BPTT, CompressionLoss.NONE) or new_cm.shape[1] == 0: return None
     rows = old.valid.all(1)                                              # (B,)
     if not rows.any(): return None
-    if not rows.all(): h, old_mem, new_cm = h[rows], old.mem[rows], new_cm[rows]
+    if not rows.all():
+        h, old_mem, new_cm = h[rows], old.mem[rows], new_cm[rows]
+        if proj is not None: proj = tuple(t[rows] for t in proj)
     else: old_mem = old.mem
     if kind is CompressionLoss.ATTENTION and layer.pre_ln:              # the attention reads ln1(.) of every key
         ln = layer.ln1
         frozen = lambda x: F.layer_norm(x, ln.normalized_shape, ln.weight.detach(), ln.bias.detach(), ln.eps)
-        h, old_mem, new_cm = frozen(h), frozen(old_mem), frozen(new_cm)
+        new_cm = frozen(new_cm)
+        if proj is None: h, old_mem = frozen(h), frozen(old_mem)        # (the layer's own projections already saw ln1)
+    if kind is CompressionLoss.ATTENTION and proj is not None:          # reuse the layer's q and its keys/values of `old`
+        return projected_reconstruction_loss(*proj, new_cm, layer.attn)
     return compression_loss(kind, h, old_mem, new_cm, attn=layer.attn, decoder=decoder)   # detaches h, old, weights itself
 
 # %% ../nbs/05_compressive_transformer.ipynb #fea5904c
@@ -215,95 +234,124 @@ class CompressiveTransformer(TransformerXL):
         self.record_aux = False                      # also compute the aux losses without gradients (as metrics)
         self.compression_hook = None                 # optional hook(i, h, old, new_cm), called after each layer's update
         self.aux_loss, self.aux_losses = None, [None] * cfg.n_layers
+        self.aux_graph_disjoint = True               # aux_loss reads only detached tensors: its graph shares no node with the task loss's
 
     def compression_parameters(self):
         "The parameters of every f_c and decoder g: trained by `aux_loss` (or by the task loss in 'bptt' mode) only."
         yield from self.compressors.parameters()
         if self.decoders is not None: yield from self.decoders.parameters()
 
+    def _zeros(self, batch_size:int, device=None) -> list:
+        "Per layer, a (B, 0) usage (or age) buffer for most-used, else None."
+        dev = device or self.emb.weight.device
+        return [torch.zeros(batch_size, 0, device=dev) if self.track_usage else None for _ in self.layers]
+
     def init_state(self, batch_size:int, device=None) -> CTState:
-        "The empty start state: memories and compressed memories of length 0 (and zero usage)."
-        p = self.emb.weight
-        dev, d = device or p.device, self.cfg.d_model
-        usage = lambda: torch.zeros(batch_size, 0, device=dev) if self.track_usage else None
-        return CTState([empty_memory(batch_size, d, dev, p.dtype) for _ in self.layers],
-                       [empty_memory(batch_size, d, dev, p.dtype) for _ in self.layers],
-                       [usage() for _ in self.layers])
-
-    def _aux(self, i:int, h:Tensor, old:Memory, new_cm:Tensor) -> Tensor|None:
-        "Layer i's auxiliary loss on the memories it just evicted; skipped (None) without gradients unless `record_aux`."
-        if not (torch.is_grad_enabled() or self.record_aux): return None
-        g = None if self.decoders is None else self.decoders[i]
-        return layer_compression_loss(self.layers[i], h, old, new_cm, self.compression_loss, g)
-
-    def _layer_step(self, i:int, h:Tensor, m:Memory, cm:Memory, usage, n_m:int, n_cm:int, need_probs:bool) -> tuple:
-        "One layer, one window: attend over [cm; m; h], then evict, compress and push. Returns (h', m, cm, usage, aux)."
-        layer = self.layers[i]
-        mem = torch.cat([cm.mem, m.mem], 1)                                  # 4. (B, CM+M, d) compressed memory first
-        valid = torch.cat([cm.valid, m.valid], 1)                            # (B, CM+M)
-        if need_probs: out, p = layer(h, mem, valid, return_probs=True)      # 5-7, 12. (B, T, d), (B, H, T, CM+M+T)
-        else: out, p = layer(h, mem, valid), None                            # the fused SDPA path
-        if self.record_attention: self.attention_records[i] = AttentionRecord(p.detach(), cm.length, m.length, h.shape[1])
-        if usage is not None:
-            usage = usage + attention_usage(p, cm.length, cm.length + m.length).to(usage.dtype)   # (B, M)
-        upd = update_compressive_memory(m, cm, h, n_m, n_cm, self.cfg.c, self.compressors[i], usage,
-                                        keep_graph=self.compression_loss.keeps_graph)            # 8-11
-        if self.compression_hook is not None: self.compression_hook(i, h, upd.old, upd.new_cm)
-        return out, upd.m, upd.cm, upd.usage, self._aux(i, h, upd.old, upd.new_cm)
+        "The empty start state: memories, compressed memories and open windows of length 0 (and zero usage and age)."
+        return CTState(self._empty(batch_size, device), self._empty(batch_size, device), self._zeros(batch_size, device),
+                       self._empty(batch_size, device), self._zeros(batch_size, device))
 
     def forward(self,
-                tokens:Tensor, # (B, T) long token ids; T > n_s is processed as successive windows of n_s
+                tokens:Tensor, # (B, T) long token ids, any T >= 1, on the grid of windows of n_s
                 state:CTState|None=None, # memories from the previous call; None = empty start state
                 targets:Tensor|None=None, # (B, T) long next tokens, -100 = no target; None = no loss
-                reset:Tensor|None=None, # (B,) bool: clear these streams' memories BEFORE this call's first window
+                reset:Tensor|None=None, # (B,) bool: an episode starts at this call's first step (= first[:, 0])
                 n_m:int|None=None, # memory length; None = self.n_m (e.g. longer at evaluation)
-                n_cm:int|None=None # compressed memory length; None = self.n_cm
+                n_cm:int|None=None, # compressed memory length; None = self.n_cm
+                first:Tensor|None=None # (B, T) bool: True at each step that starts an episode (document)
                ) -> tuple: # (logits (B, T, V), loss or None, new CTState, detached)
-        "Algorithm 1 over one or more windows; sets `aux_loss`, `aux_losses` (and `attention_records` if recording)."
-        B, T = self._check_call(tokens, targets, reset)                         # the TransformerXL checks
+        "Algorithm 1 over the call's windows; sets `aux_loss`, `aux_losses` (and `attention_records` if recording)."
+        self._check_call(tokens, targets, reset)                                 # the TransformerXL checks
+        return self._lm(tokens, targets, state=state, first=first, reset=reset, n_m=n_m, n_cm=n_cm)
+
+    def hidden(self,
+               x:Tensor, # (B, T, d) float input embeddings of layer 0
+               state:CTState|None=None, # memories from the previous call; None = empty start state
+               first:Tensor|None=None, # (B, T) bool: True at each step that starts an episode
+               reset:Tensor|None=None, # (B,) bool: an episode starts at this call's first step (instead of `first`)
+               n_m:int|None=None, # memory length; None = self.n_m
+               n_cm:int|None=None # compressed memory length; None = self.n_cm
+              ) -> tuple: # (final hidden states (B, T, d) after ln_f, new CTState, detached)
+        "The layers over input embeddings (Algorithm 1); sets `aux_loss`, `aux_losses` (and `attention_records`)."
+        first = self._check_inputs(x, first, reset)
         n_m = self._check_len('n_m', self.n_m if n_m is None else n_m)
         n_cm = self._check_len('n_cm', self.n_cm if n_cm is None else n_cm)
-        if state is None: state = self.init_state(B, tokens.device)
+        state, T, n_s, L = self._check_state(state, x), x.shape[1], self.cfg.n_s, len(self.layers)
+        if self.compression_loss.keeps_graph and T <= n_s and self.training and torch.is_grad_enabled():
+            warnings.warn(f"compression_loss='bptt' trains f_c only through a later window of the same call: pass "
+                          f"T > n_s tokens (the paper unrolls 2 * n_s = {2 * n_s}); with T={T} f_c gets no gradient.")
+        need_probs = self.record_attention or self.track_usage
+        if self.record_attention: self.attention_records = [None] * L
+        auxes = [[] for _ in range(L)]                                           # per layer, one entry per window
+        h, st = self._run_windows(x, first, state, n_m=n_m, n_cm=n_cm, need_probs=need_probs, auxes=auxes)   # (B, T, d)
+        per_layer = [torch.stack(a).mean() if a else None for a in auxes]        # each layer: mean over the call's windows
+        self.aux_losses = [None if a is None else a.detach() for a in per_layer]
+        done = [a for a in per_layer if a is not None]
+        self.aux_loss = torch.stack(done).sum() if done else None               # Algorithm 2: sum over layers
+        detach = lambda m: Memory(m.mem.detach(), m.valid, m.kv)
+        new = CTState([detach(m) for m in st.memories], [detach(cm) for cm in st.compressed],
+                      [None if u is None else u.detach() for u in st.usage], st.window, st.age)
+        return self.ln_f(h), new
+
+    def _check_state(self, state, x:Tensor) -> CTState:
+        "The state to start from: `init_state` for None; a clear error if it does not fit; missing parts added."
+        B, L = x.shape[0], len(self.layers)
+        if state is None: return self.init_state(B, x.device)
         if not isinstance(state, CTState):
             raise TypeError(f"state must be a CTState, got {type(state).__name__}: pass state=None or model.init_state({B}).")
-        L = len(self.layers)
         if state.batch_size != B or len(state.memories) != L or len(state.compressed) != L or len(state.usage) != L:
             raise ValueError(f"state holds {len(state.memories)} layers x batch {state.batch_size} but the model has "
                              f"{L} layers and tokens batch {B}: pass state=None or model.init_state({B}).")
         if self.track_usage and any(u is None for u in state.usage):
             raise ValueError("most-used needs the usage of every memory slot, but state.usage has None: start from model.init_state(B).")
-        n_s = self.cfg.n_s
-        if self.compression_loss.keeps_graph and T <= n_s and self.training and torch.is_grad_enabled():
-            warnings.warn(f"compression_loss='bptt' trains f_c only through a later window of the same call: pass "
-                          f"T > n_s tokens (the paper unrolls 2 * n_s = {2 * n_s}); with T={T} f_c gets no gradient.")
-        ms, cms = [reset_memory(m, reset) for m in state.memories], [reset_memory(cm, reset) for cm in state.compressed]
-        us = list(state.usage)
-        if reset is not None:                                                    # flagged streams forget their usage too
-            keep = (~reset.to(tokens.device, torch.bool))[:, None]
-            us = [None if u is None else u * keep.to(u.dtype) for u in us]
-        need_probs = self.record_attention or self.track_usage
-        if self.record_attention: self.attention_records = [None] * L
-        auxes = [[] for _ in range(L)]                                           # per layer, one entry per window
-        logits, st = self._run_windows(tokens, CTState(ms, cms, us), n_m=n_m, n_cm=n_cm,   # TransformerXL's window loop
-                                       need_probs=need_probs, auxes=auxes)       # (B, T, V)
-        loss = None if targets is None else lm_loss(logits, targets)             # mean over every target of the call
-        per_layer = [torch.stack(a).mean() if a else None for a in auxes]        # each layer: mean over the call's windows
-        self.aux_losses = [None if a is None else a.detach() for a in per_layer]
-        done = [a for a in per_layer if a is not None]
-        self.aux_loss = torch.stack(done).sum() if done else None               # Algorithm 2: sum over layers
-        new = CTState([Memory(m.mem.detach(), m.valid) for m in st.memories],
-                      [Memory(cm.mem.detach(), cm.valid) for cm in st.compressed],
-                      [None if u is None else u.detach() for u in st.usage])
-        return logits, loss, new
+        if state.age is None: state = replace(state, age=[None if u is None else torch.zeros_like(u) for u in state.usage])
+        return super()._check_state(state, x)                                  # the open window
 
-    def _window(self, tokens:Tensor, state:CTState, n_m:int, n_cm:int, need_probs:bool, auxes:list) -> tuple:
-        "One window (B, T_w <= n_s) through every layer (Algorithm 1); appends each layer's aux loss to `auxes[i]`."
-        h = self.drop(self.emb(tokens) * self.emb_scale)                         # 3. (B, T_w, d)
-        ms, cms, us = list(state.memories), list(state.compressed), list(state.usage)
+    def _aux(self, i:int, h:Tensor, old:Memory, new_cm:Tensor, proj:tuple|None=None) -> Tensor|None:
+        "Layer i's auxiliary loss on the memories it just evicted; skipped (None) without gradients unless `record_aux`."
+        if not (torch.is_grad_enabled() or self.record_aux): return None
+        g = None if self.decoders is None else self.decoders[i]
+        return layer_compression_loss(self.layers[i], h, old, new_cm, self.compression_loss, g, proj)
+
+    def _layer_step(self, i:int, h:Tensor, first:Tensor|None, ends:tuple, m:Memory, cm:Memory, window:Memory,
+                    usage, age, n_m:int, n_cm:int, need_probs:bool) -> tuple:
+        "One layer, n steps: attend over [cm; m; open window; h]; once the window is complete, evict, compress, push. (h', m, cm, window, usage, age, aux)"
+        layer, CM, P = self.layers[i], cm.length, window.length
+        cache = self._use_cache()
+        r = self._attend(layer, h, [cm, m, window], first, cache, need_probs)  # 5-7, 12. out (B, n, d); k, v over [cm; m; window; h]
+        p = r.probs                                                          # (B, H, n, CM+M+P+n) or None
+        if self.record_attention: self.attention_records[i] = AttentionRecord(p.detach(), CM, m.length, h.shape[1], P)
+        if usage is not None: usage = usage + attention_usage(p, CM, CM + m.length).to(usage.dtype)   # (B, M)
+        keep, new_valid = ends                                               # what stays readable after these steps
+        cm, m, window = mask_memory(cm, keep), mask_memory(m, keep), mask_memory(window, keep)
+        if usage is not None and keep is not None: usage, age = usage * m.valid, age * m.valid   # counted afresh per episode
+        w, wv = self._grow(window, h, new_valid)                             # (B, P+n, d) this layer's inputs of the window so far
+        if w.shape[1] < self.cfg.n_s:                                        # still open: keep it (and its keys/values)
+            kv = self._keep_kv(layer, r.k, r.v, w.shape[1]) if cache else None
+            return r.out, m, cm, Memory(w.detach(), wv, kv), usage, age, None
+        upd = update_compressive_memory(m, cm, w, n_m, n_cm, self.cfg.c, self.compressors[i], usage,
+                                        self.compression_loss.keeps_graph, wv, age)            # 8-11
+        if self.compression_hook is not None: self.compression_hook(i, w, upd.old, upd.new_cm)
+        n_old = upd.old.length                                               # old = [m; window][:n_old]: keys CM .. CM+n_old-1
+        proj = None if P else (r.q, r.k[:, :, CM:CM + n_old], r.v[:, :, CM:CM + n_old])   # the layer's q (if it saw the whole window) and its keys/values of `old`
+        new_m, new_cm = upd.m, upd.cm
+        if cache:                                                            # the new m is the tail of [m; window], so of r.k, r.v
+            new_m = Memory(new_m.mem, new_m.valid, self._keep_kv(layer, r.k, r.v, new_m.length))
+            nk, nv = layer.project_memory(upd.new_cm.to(h.dtype))            # (B, H, n_old/c, d_h): only the new slots
+            ck, cv = torch.cat([r.k[:, :, :CM], nk.to(r.k.dtype)], 2), torch.cat([r.v[:, :, :CM], nv.to(r.v.dtype)], 2)
+            new_cm = Memory(new_cm.mem, new_cm.valid, self._keep_kv(layer, ck, cv, new_cm.length))
+        empty = Memory(window.mem[:, :0], window.valid[:, :0])
+        return r.out, new_m, new_cm, empty, upd.usage, upd.age, self._aux(i, w, upd.old, upd.new_cm, proj)
+
+    def _window(self, h:Tensor, first:Tensor|None, state:CTState, n_m:int, n_cm:int, need_probs:bool, auxes:list) -> tuple:
+        "n <= n_s - P steps (B, n, d) through every layer (Algorithm 1); appends each layer's aux loss to `auxes[i]`."
+        ends = (None, None) if first is None else visible_after(first)          # what stays readable after these steps
+        ms, cms, ws, us, ages = (list(x) for x in (state.memories, state.compressed, state.window, state.usage, state.age))
         for i in range(len(self.layers)):
-            h, ms[i], cms[i], us[i], aux = self._layer_step(i, h, ms[i], cms[i], us[i], n_m, n_cm, need_probs)
+            h, ms[i], cms[i], ws[i], us[i], ages[i], aux = self._layer_step(i, h, first, ends, ms[i], cms[i], ws[i], us[i], ages[i],
+                                                                            n_m, n_cm, need_probs)
             if aux is not None: auxes[i].append(aux)
-        return self.head(self.drop(self.ln_f(h))), CTState(ms, cms, us)          # (B, T_w, V)
+        return h, CTState(ms, cms, us, ws, ages)                                   # h: (B, n, d)
 
 # %% ../nbs/05_compressive_transformer.ipynb #3cbd612c
 def ct_temporal_range(n_layers:int, # l: number of layers

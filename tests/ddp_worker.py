@@ -1,0 +1,61 @@
+"""The processes of tests/test_ddp.py: run as `python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py
+PHASE OUT` (2 ranks, gloo on the CPU) or as `python tests/ddp_worker.py PHASE OUT` (one process). Not a test file itself."""
+import sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from compressive_tutorial.data import StreamLoader
+from compressive_tutorial.model import CompressiveTransformer, CTConfig
+from compressive_tutorial.train import Trainer, TrainConfig, init_distributed, dist_rank_world, seed_everything
+
+B, N_S = 4, 8
+CFG = TrainConfig(lr_max=1e-3, warmup_steps=3, decay_steps=20, update_every=2, update_every_after=5, clip_norm=None, progress=False)
+
+
+def make(seed=0):
+    "The same model (no dropout: the ranks' masks would differ from one process's) and the same data on every rank."
+    seed_everything(seed)
+    model = CompressiveTransformer(CTConfig(d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=N_S, n_m=8, n_cm=4, c=2,
+                                            compression='conv', compression_loss='attention'))
+    tokens = torch.randint(0, 256, (B * N_S * 5 + 3,), generator=torch.Generator().manual_seed(1))   # the last window is padded
+    return model, StreamLoader(tokens, batch_size=B, n_s=N_S)
+
+
+def spy_grads(t):
+    "Record the gradients each optimiser is about to apply, at every update."
+    seen = []
+    for name in ('opt', 'copt'):
+        o = getattr(t, name); step = o.step
+        def spy(*a, _name=name, _o=o, _step=step, **k):
+            seen.append({f'{_name}.{i}': p.grad.detach().clone() for i, p in enumerate(q for g in _o.param_groups for q in g['params'])
+                         if p.grad is not None})
+            return _step(*a, **k)
+        o.step = spy
+    return seen
+
+
+def main(phase, out):
+    out = Path(out)
+    init_distributed()
+    torch.set_num_threads(1)
+    rank, world = dist_rank_world()
+    if phase in ('first', 'single'):                       # the gradients of every update of 8 windows (one pass and more)
+        model, dl = make(); t = Trainer(model, dl, cfg=CFG)
+        seen = spy_grads(t); t.fit(8)
+        if rank == 0: save_file({f'{j}.{k}': v for j, s in enumerate(seen) for k, v in s.items()}, str(out/f'grads-{world}.safetensors'))
+    if phase == 'first':                                  # A: 12 steps straight; B: 6 steps, checkpointed (2 ranks)
+        model, dl = make(); Trainer(model, dl, cfg=CFG, ckpt_dir=out/'A').fit(12)
+        model, dl = make(); Trainer(model, dl, cfg=CFG, ckpt_dir=out/'B').fit(6)
+    if phase in ('first', 'single'):                       # B resumed to 12, on 2 ranks (the same processes) or on 1
+        if world > 1: torch.distributed.barrier()          # rank 0 has written B's checkpoint
+        model, dl = make(seed=99)
+        folder = out/f'B{world}'
+        t = Trainer.resume(out/'B'/'last.safetensors', model, dl, ckpt_dir=folder)
+        assert t.step == 6 and t.state.batch_size == B // world, (t.step, t.state.batch_size)
+        t.fit(12)
+    if phase == 'single':                                 # one process straight through, for the printed difference
+        model, dl = make(); Trainer(model, dl, cfg=CFG, ckpt_dir=out/'A1').fit(12)
+    if world > 1: torch.distributed.destroy_process_group()
+
+
+if __name__ == '__main__': main(*sys.argv[1:])

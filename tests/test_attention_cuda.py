@@ -1,0 +1,92 @@
+"""GPU checks that run without nbdev (the GPU machine has none): fused against explicit attention on CUDA (fp32 and bf16),
+the cached inference path, the reused projections of the reconstruction loss, and a short form of the GPU benchmark.
+Every test here skips cleanly on a machine without CUDA."""
+from dataclasses import replace
+import pytest
+import torch
+from compressive_tutorial.attention import RelativeMultiHeadAttention
+from compressive_tutorial.model import CTConfig, CompressiveTransformer, layer_compression_loss
+from compressive_tutorial.bench import BENCH_GPU, run_benchmark, report
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
+DEV = 'cuda'
+
+
+def randomized(m, seed=0, std=0.5):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters(): p.normal_(0, std)
+    return m
+
+
+def _pair(d=64, H=4, clamp_len=None):
+    ex = randomized(RelativeMultiHeadAttention(d, H, attn_impl='explicit', clamp_len=clamp_len), std=0.1).to(DEV)
+    fa = RelativeMultiHeadAttention(d, H, clamp_len=clamp_len).to(DEV); fa.load_state_dict(ex.state_dict())
+    return ex, fa
+
+
+@pytest.mark.parametrize('T,M', [(1, 0), (64, 0), (64, 128), (32, 200)])
+def test_fused_equals_explicit_fp32(T, M):
+    ex, fa = _pair()
+    torch.manual_seed(1)
+    h = torch.randn(3, T, 64, device=DEV, requires_grad=True); mem = torch.randn(3, M, 64, device=DEV)
+    mv = torch.rand(3, M, device=DEV) > 0.2
+    grads = []
+    for m in (ex, fa):
+        out = m(h, mem, mv)
+        grads.append((out, torch.autograd.grad(out.pow(2).sum(), [h] + list(m.parameters()))))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-4, atol=1e-4)
+    for a, b in zip(grads[1][1], grads[0][1]): assert (a - b).abs().max() <= 1e-4 * b.abs().max(), 'gradients differ'
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_fused_under_autocast_is_close_to_fp32(dtype):
+    if dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported(): pytest.skip('no bf16 on this device')
+    ex, fa = _pair()
+    torch.manual_seed(1)
+    h, mem = torch.randn(4, 64, 64, device=DEV), torch.randn(4, 128, 64, device=DEV)
+    ref = ex(h, mem)
+    with torch.autocast('cuda', dtype=dtype): low = fa(h, mem)
+    err = (low.float() - ref).abs().max() / ref.abs().max()
+    assert err < (3e-2 if dtype is torch.bfloat16 else 5e-3), f'{dtype}: relative error {err:.2e}'
+
+
+def _ct(pre_ln=False):
+    cfg = CTConfig(vocab_size=64, d_model=64, n_heads=4, d_ff=128, n_s=16, n_m=16, n_cm=16, c=4, pre_ln=pre_ln)
+    return randomized(CompressiveTransformer(cfg), std=0.1).to(DEV).eval()
+
+
+@pytest.mark.parametrize('pre_ln', [False, True])
+def test_cached_inference_equals_uncached(pre_ln):
+    model = _ct(pre_ln)
+    tokens = torch.randint(0, 64, (3, 16 * 12), device=DEV)
+    outs = []
+    for cache in (True, False):
+        model.kv_cache, state, lg = cache, None, []
+        with torch.no_grad():
+            for w in range(12):
+                reset = torch.tensor([w == 4, w == 7, False], device=DEV)
+                l, _, state = model(tokens[:, 16 * w:16 * w + 16], state, reset=reset, n_m=32, n_cm=48)
+                lg.append(l)
+        outs.append(torch.cat(lg, 1))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_reused_projections_equal_recomputed():
+    model = _ct().train()
+    slow = [[] for _ in model.layers]
+    tokens = torch.randint(0, 64, (2, 64), device=DEV)
+    with torch.no_grad(): _, _, state = model(tokens[:, :32])
+    model.compression_hook = lambda i, h, old, new_cm: slow[i].append(layer_compression_loss(model.layers[i], h, old, new_cm))
+    model(tokens[:, 32:], state)
+    want = torch.stack([torch.stack(s).mean() for s in slow]).sum()
+    torch.testing.assert_close(model.aux_loss, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_benchmark_smoke():
+    "The GPU setting of notebook 15 in short form: one repetition of one window per implementation, memory and MFU included."
+    cfg = replace(BENCH_GPU, reps=1, steps=1, impls=('ours-ct', 'ours-txl', 'lucidrains-ct'))
+    r = run_benchmark(cfg, progress=False)
+    for v in r['results'].values():
+        assert v['train_tps'] > 0 and v['infer_tps'] > 0 and len(v['peak_mib']) == 2
+    print(report(r))

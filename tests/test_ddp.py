@@ -1,0 +1,79 @@
+"""DistributedDataParallel on the CPU with the gloo backend and 2 processes started by torchrun (notebook 06, "Many GPUs"):
+the gradients of DDP steps equal those of one process on the same global batch, and a run checkpointed on 2 ranks resumes
+on 2 ranks bit for bit and on 1 rank up to floating-point summation order. The processes are tests/ddp_worker.py."""
+import os, subprocess, sys
+from pathlib import Path
+import pytest
+import torch
+from compressive_tutorial.train import load_checkpoint
+from safetensors.torch import load_file
+
+WORKER = Path(__file__).with_name('ddp_worker.py')
+ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1'}
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
+
+
+def launch(phase, out, ranks):
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}'] if ranks > 1 else [sys.executable]
+    r = subprocess.run(cmd + [str(WORKER), phase, str(out)], env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f'{phase} on {ranks} rank(s) failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}'
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp('ddp')
+    launch('first', out, 2)      # DDP: gradients, run A (12 steps), run B (6 steps, checkpoint), B resumed by new trainers
+    launch('single', out, 1)     # one process: gradients, B resumed on 1 rank, and 12 steps straight
+    return out
+
+
+def test_ddp_gradients_equal_one_process(runs):
+    ddp, one = load_file(str(runs/'grads-2.safetensors')), load_file(str(runs/'grads-1.safetensors'))
+    assert sorted(ddp) == sorted(one) and any(k.split('.')[1] == 'copt' for k in ddp)   # both optimisers, every update
+    assert len({k.split('.')[0] for k in ddp if k.split('.')[1] == 'opt'}) == 6         # 8 windows: 5 single updates + 1 group of 2
+    for k in one:                                    # tolerance: float32 summation order (2 halves + all-reduce vs one sum)
+        scale = one[k].abs().max().item()
+        assert (ddp[k] - one[k]).abs().max().item() <= 1e-5 * scale + 1e-9, k
+
+
+def test_resume_on_two_ranks_is_exact(runs):
+    a, b = load_checkpoint(runs/'A'/'last.safetensors'), load_checkpoint(runs/'B2'/'last.safetensors')
+    assert a[1]['step'] == b[1]['step'] == 12 and a[1]['state_batch_size'] == b[1]['state_batch_size'] == 4
+    keys = [k for k in a[0] if k.split('.')[0] in ('model', 'opt', 'copt', 'state', 'grad')]
+    assert sorted(keys) == sorted(k for k in b[0] if k.split('.')[0] in ('model', 'opt', 'copt', 'state', 'grad'))
+    assert any(k.startswith('state.') for k in keys) and any(k.startswith('copt.') for k in keys)
+    for k in keys: assert torch.equal(a[0][k], b[0][k]), k                     # bit for bit: weights, Adam, memories
+    timeless = lambda h: [{k: v for k, v in r.items() if k != 'tok_s'} for r in h]
+    assert timeless(a[1]['history']) == timeless(b[1]['history'])              # the same (global) metrics
+
+
+def test_resume_on_one_rank_continues_the_run(runs):
+    a, c = load_checkpoint(runs/'A'/'last.safetensors'), load_checkpoint(runs/'B1'/'last.safetensors')
+    assert c[1]['step'] == 12 and c[1]['world'] == 1
+    worst = {k: (c[0][k] - a[0][k]).abs().max().item() for k in a[0] if k.startswith(('model.', 'state.')) and a[0][k].is_floating_point() and a[0][k].numel()}   # (empty open windows: nothing to compare)
+    print('2 ranks -> checkpoint -> 1 rank, largest difference from the 2-rank run:', max(worst.values()))
+    assert max(worst.values()) < 1e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:3]   # summation order only
+    one = load_checkpoint(runs/'A1'/'last.safetensors')
+    print('1 rank straight vs 2 ranks straight:', max((one[0][k] - a[0][k]).abs().max().item() for k in worst))
+
+
+def test_ct_train_under_torchrun(tmp_path):
+    "`ct train` under torchrun with 2 processes: rank 0 reports and writes, the run resumes in one process."
+    import random
+    rng = random.Random(0)
+    words = 'the memory of a compressive transformer keeps old states in a compressed form so that'.split()
+    fixture = tmp_path/'fixture.txt'
+    fixture.write_text('\n'.join(' '.join(rng.choice(words) for _ in range(12)) + '.' for _ in range(600)))
+    micro = ['--preset', 'cpu-tiny', '--set', 'd_model=32', 'n_heads=2', 'd_ff=64', 'n_s=16', 'n_m=8', 'n_cm=8', 'c=2', 'batch_size=4',
+             'eval_batch_size=2', 'valid_batches=4', 'progress=false', 'threads=1', '--device', 'cpu']
+    cli = ['-m', 'compressive_tutorial.cli', 'train']
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', *cli, str(fixture),
+                        '--out', str(tmp_path/'run'), '--steps', '6', *micro], env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count('valid bits per byte:') == 1 and 'DDP over 2 processes' in r.stdout, r.stdout   # rank 0 alone speaks
+    ckpt = load_checkpoint(tmp_path/'run'/'last.safetensors')[1]
+    assert (ckpt['step'], ckpt['world'], ckpt['state_batch_size']) == (6, 2, 4)
+    r = subprocess.run([sys.executable, *cli, '--out', str(tmp_path/'run'), '--resume', '--steps', '8'], env=ENV,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and 'steps 6 -> 8' in r.stdout, r.stdout + r.stderr[-3000:]
+    assert load_checkpoint(tmp_path/'run'/'last.safetensors')[1]['world'] == 1

@@ -1,0 +1,78 @@
+"""CPU checks of the fast paths of issue 13: each one against the explicit computation it replaces (runs under plain `pytest tests/`)."""
+import math
+import pytest
+import torch
+from compressive_tutorial.attention import (RelativeMultiHeadAttention, rel_shift, shift_masked, attention_mask,
+                                            causal_mask, masked_attention)
+from compressive_tutorial.model import CTConfig, CompressiveTransformer
+from compressive_tutorial.bench import BenchConfig, OursRunner, counted_flops, ct_flops_per_token
+
+torch.set_num_threads(1)
+
+
+def randomized(m, seed=0):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters(): p.normal_(0, 0.5)
+    return m
+
+
+@pytest.mark.parametrize('T,M', [(1, 0), (5, 0), (4, 7), (6, 2)])
+def test_shift_masked_equals_rel_shift(T, M):
+    x = torch.randn(3, 2, T, M + T, requires_grad=True)
+    mask = attention_mask(T, M, torch.rand(3, M) > 0.3)
+    slow = rel_shift(x).masked_fill(~mask, float('-inf'))
+    fast = shift_masked(x, mask)
+    assert torch.equal(fast, slow)
+    g = torch.randn_like(slow)
+    assert torch.equal(torch.autograd.grad(fast, x, g)[0], torch.autograd.grad(slow, x, g.masked_fill(~mask, 0))[0])
+
+
+def test_fast_attention_takes_a_per_query_mask():
+    "The episode-mask shape of the next step, (B, 1, T, K), goes through the fused path and equals the explicit one."
+    torch.manual_seed(0)
+    B, T, M, d = 3, 6, 5, 16
+    ex = randomized(RelativeMultiHeadAttention(d, 2, attn_impl='explicit'))
+    fa = RelativeMultiHeadAttention(d, 2); fa.load_state_dict(ex.state_dict())
+    h, mem = torch.randn(B, T, d, requires_grad=True), torch.randn(B, M, d)
+    mask = causal_mask(T, M)[None, None] & (torch.rand(B, 1, T, M + T) > 0.4)
+    mask[..., torch.arange(T), M + torch.arange(T)] = True          # every query keeps itself
+    outs = []
+    for m in (ex, fa):
+        q = m.split_heads(m.q(h)); k, v = m.project_kv(torch.cat([mem, h], 1))
+        out = m.fast_attend(q, k, v, mask, 0.) if m is fa else masked_attention(m.scores(q, k), v, mask)
+        out = m.o(m.merge_heads(out))                                # (B, T, d)
+        outs.append((out, torch.autograd.grad(out.pow(2).sum(), [h] + list(m.parameters()))))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-4, atol=1e-5)
+    for a, b in zip(outs[0][1], outs[1][1]): assert (a - b).abs().max() <= 1e-5 * b.abs().max(), 'gradients differ'
+
+
+@pytest.mark.parametrize('pre_ln', [False, True])
+def test_cached_evaluation_equals_uncached(pre_ln):
+    torch.manual_seed(0)
+    model = randomized(CompressiveTransformer(CTConfig(vocab_size=11, d_model=16, n_heads=2, d_ff=32, n_s=4, n_m=4, n_cm=4,
+                                                       c=2, pre_ln=pre_ln))).eval()
+    tokens = torch.randint(0, 11, (2, 60))
+    outs = []
+    for cache in (True, False):
+        model.kv_cache, state, lg = cache, None, []
+        with torch.no_grad():
+            for w in range(15):
+                l, _, state = model(tokens[:, 4 * w:4 * w + 4], state, reset=torch.tensor([w == 5, w == 9]), n_m=8, n_cm=12)
+                lg.append(l)
+        outs.append(torch.cat(lg, 1))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_flops_formula_matches_the_counter():
+    cfg = BenchConfig(n_layers=2, d_model=32, n_heads=2, d_ff=128, n_s=8, n_m=8, n_cm=8, c=2, batch_size=2)
+    x = torch.randint(0, 256, (2, 8))
+    for kind in ('ct', 'txl'):
+        torch.manual_seed(0)
+        r = OursRunner(cfg, kind)
+        for _ in range(6): r.train_step(x, x)
+        r.reset()
+        for _ in range(6): r.infer_step(x)
+        train, infer = counted_flops(r, cfg, x, x)
+        assert infer == ct_flops_per_token(cfg, False, kind)
+        assert abs(train - ct_flops_per_token(cfg, True, kind)) < 5e-3 * train
