@@ -950,8 +950,9 @@ def run_experiment(specs:dict, # name -> the RLConfig fields that differ from `b
     if workers <= 1:
         for name, seed, cfg, path in jobs: report(name, seed, run_one(name, cfg, delays, episodes_per_env, path, deadline))
     else:
+        from compressive_tutorial.rl import run_one as worker   # the module's function: a notebook's own copy cannot be pickled by name
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('spawn')) as pool:
-            futs = {pool.submit(run_one, name, {**cfg, 'threads': 1}, delays, episodes_per_env, path, deadline): (name, seed)
+            futs = {pool.submit(worker, name, {**cfg, 'threads': 1}, delays, episodes_per_env, path, deadline): (name, seed)
                     for name, seed, cfg, path in jobs}
             for f, (name, seed) in futs.items(): report(name, seed, f.result())
     res = dict(base=asdict(base), specs=specs, seeds=list(seeds), delays=list(delays), histories={}, by_delay={}, final={},
