@@ -18,9 +18,11 @@ For each notebook nbdev sees (the same list as check_notebooks.py), two checks:
            notebook computes (tests on scratch folders, fixtures) are skipped: they do not touch ../shared. Slow and
            GPU cells are included: their data path is the one a Colab user runs.
 
-Two fixtures replace more than the network: the Bible's dump (a Linux program from a Debian package, run by
-`fetch_books`) is replaced by a copy of the shared dump, since notebook 00 tests that path with fake packages; and
-Enwik8's expected size and md5 are those of the fake.
+Three fixtures replace more than the network: the Bible's dump (a Linux program from a Debian package, run by
+`fetch_books`) is replaced by a copy of the shared dump, since notebook 00 tests that path with fake packages;
+Enwik8's expected size and md5 are those of the fake; and LJ Speech's archive holds the 385 shared clips (in the
+official archive's layout), so its expected sha256, clip count and duration are the fixture's (the check that the
+held clips carry the course's samples is the real one).
 """
 import ast, functools, hashlib, io, json, os, re, subprocess, sys, tempfile, time, zipfile
 from configparser import ConfigParser
@@ -35,7 +37,7 @@ COLAB = {'torch', 'torchvision', 'torchaudio', 'numpy', 'scipy', 'pandas', 'matp
          'PIL', 'requests'}
 # Functions that read the course's data: a top-level call to one of these is a notebook's data path.
 LOADERS = {'find_shared_data', 'books_folder', 'fetch_books', 'load_books', 'books_corpora', 'load_corpus',
-           'load_enwik8', 'get_enwik8', 'protocol_data'}
+           'load_enwik8', 'get_enwik8', 'protocol_data', 'ljspeech_folder', 'get_ljspeech', 'load_ljspeech'}
 PACKAGE = 'compressive_tutorial'
 
 
@@ -173,8 +175,21 @@ def make_fixtures(folder:Path, shared_books:Path) -> Path:
     z = folder / 'enwik8.zip'                                   # the real size, so the 90M/5M/5M split runs as in Colab
     with zipfile.ZipFile(z, 'w', compression=zipfile.ZIP_DEFLATED) as zf: zf.writestr('enwik8', fake)
     served[D.ENWIK8_URL] = str(z)
+    lj, speech = shared_books.parent / 'speech' / 'ljspeech', {}   # LJ Speech: an archive of the shared clips, in its layout
+    if lj.is_dir():
+        import tarfile, soundfile as sf
+        from compressive_tutorial import speech as SP
+        clips = SP.ljspeech_clips(lj)
+        a = folder / 'LJSpeech-1.1.tar.bz2'
+        with tarfile.open(a, 'w:bz2', compresslevel=1) as tf:
+            tf.add(lj / 'metadata.csv', 'LJSpeech-1.1/metadata.csv')
+            for i, path in clips: tf.add(path, f'LJSpeech-1.1/{path.parent.name}/{path.name}')
+        served[SP.LJSPEECH_URL] = str(a)
+        speech = dict(sha256=SP.sha256_file(a), n_clips=len(clips),
+                      seconds=sum(sf.info(str(path)).frames for _, path in clips) / SP.SAMPLE_RATE)
     manifest = folder / 'manifest.json'
-    manifest.write_text(json.dumps(dict(served=served, bible=bible[0], enwik8_size=len(fake), enwik8_md5=hashlib.md5(fake).hexdigest())))
+    manifest.write_text(json.dumps(dict(served=served, bible=bible[0], enwik8_size=len(fake), enwik8_md5=hashlib.md5(fake).hexdigest(),
+                                        ljspeech=speech)))
     return manifest
 
 
@@ -185,12 +200,22 @@ def install_fixtures(manifest:dict):
 
     def no_shared(starts=None):
         raise FileNotFoundError('no shared/data folder (check_colab: as in Colab)')
-    D.find_shared_data = no_shared
+    import compressive_tutorial.speech                           # (imports find_shared_data by name: patched below too)
+    for m in list(sys.modules.values()):                        # every module of the package that holds the name
+        if getattr(m, '__name__', '').startswith(PACKAGE) and hasattr(m, 'find_shared_data'): m.find_shared_data = no_shared
     D._dump_debian = lambda src, dest, download, work, debs: shutil.copyfile(manifest['bible'], dest)
     for f in (D.get_enwik8, D.load_enwik8):                     # the checks the real file gets, with the fake's numbers
         names = f.__code__.co_varnames[:f.__code__.co_argcount]
         defaults = list(f.__defaults__); first = len(names) - len(defaults)
         defaults[names.index('size') - first], defaults[names.index('md5') - first] = manifest['enwik8_size'], manifest['enwik8_md5']
+        f.__defaults__ = tuple(defaults)
+
+    if manifest.get('ljspeech'):                                # the full corpus's checks, with the fixture's numbers
+        import compressive_tutorial.speech as SP
+        f = SP.get_ljspeech
+        names = f.__code__.co_varnames[:f.__code__.co_argcount]
+        defaults = list(f.__defaults__); first = len(names) - len(defaults)
+        for k, v in manifest['ljspeech'].items(): defaults[names.index(k) - first] = v
         f.__defaults__ = tuple(defaults)
 
     class Response(io.BytesIO):

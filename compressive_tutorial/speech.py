@@ -6,11 +6,11 @@
 __all__ = ['MU', 'N_CLASSES', 'SAMPLE_RATE', 'FULL_SCALE', 'LJSPEECH_URL', 'LJSPEECH_SHA256', 'LJSPEECH_CLIPS',
            'LJSPEECH_SECONDS', 'LJSPEECH_HELD', 'KINDS', 'KIND_COLORS', 'GPU_STEPS', 'torchaudio_functional',
            'mu_law_encode', 'mu_law_decode', 'read_clip', 'ljspeech_split', 'ljspeech_clips', 'clip_codes',
-           'load_ljspeech', 'save_codes', 'load_codes', 'code_entropy', 'HeldClips', 'sha256_file', 'pcm_sha256',
-           'verify_ljspeech', 'get_ljspeech', 'WaveNetConfig', 'receptive_field', 'WaveNetState', 'dilated_taps',
-           'GatedResidualLayer', 'WaveNet', 'n_params', 'speech_label', 'model_summary', 'summary_table', 'speech_run',
-           'describe_speech', 'plot_test_curves', 'results_table', 'plot_train_curves', 'plot_audio', 'generate',
-           'paper_scaled_configs', 'gpu_train_config', 'gpu_run']
+           'load_ljspeech', 'HeldClips', 'sha256_file', 'pcm_sha256', 'verify_ljspeech', 'get_ljspeech',
+           'ljspeech_folder', 'save_codes', 'load_codes', 'code_entropy', 'WaveNetConfig', 'receptive_field',
+           'WaveNetState', 'dilated_taps', 'GatedResidualLayer', 'WaveNet', 'n_params', 'speech_label', 'model_summary',
+           'summary_table', 'speech_run', 'describe_speech', 'plot_test_curves', 'results_table', 'plot_train_curves',
+           'plot_audio', 'generate', 'paper_scaled_configs', 'gpu_train_config', 'gpu_run']
 
 # %% ../nbs/11_speech.ipynb #4cd5649e
 import functools, hashlib, json, re, shutil, tarfile, time
@@ -155,13 +155,15 @@ def clip_codes(path, **read_kw) -> np.ndarray: # (N,) uint8 µ-law codes
     "The µ-law codes of one clip (`read_clip`, then `mu_law_encode`)."
     return mu_law_encode(read_clip(path, **read_kw)).to(torch.uint8).numpy()
 
-def load_ljspeech(folder=None, # an LJ Speech folder; None: the 385 clips of the shared data (`find_shared_data()`)
+def load_ljspeech(folder=None, # an LJ Speech folder; None: the course's 385 clips (`ljspeech_folder()`, up to `last_id`)
                   splits=SPLITS, # which splits to return
+                  last_id:str|None=None, # keep only the clips up to this id (None: every clip of `folder`)
                   **read_kw, # passed to `read_clip` (sample_rate, downmix, max_clipped)
                  ) -> dict: # {split: Corpus of µ-law codes, one document per clip, named by clip id}
     "LJ Speech as µ-law token corpora split by clip (`ljspeech_split`), a memory reset at every clip."
-    folder = Path(folder) if folder is not None else find_shared_data()/'speech'/'ljspeech'
-    clips = ljspeech_clips(folder)
+    if folder is None: folder, last_id = ljspeech_folder(), LJSPEECH_HELD.last_id
+    folder = Path(folder)
+    clips = [(i, p) for i, p in ljspeech_clips(folder) if last_id is None or i <= last_id]
     bad = [s for s in splits if s not in SPLITS]
     if bad: raise ValueError(f'unknown split(s) {bad}: use {SPLITS}')
     arrays, names = {s: [] for s in splits}, {s: [] for s in splits}
@@ -175,36 +177,6 @@ def load_ljspeech(folder=None, # an LJ Speech folder; None: the 385 clips of the
         starts = np.cumsum([0] + [len(a) for a in arrays[s][:-1]])                  # (clips,) first sample of each clip
         out[s] = Corpus(np.concatenate(arrays[s]), starts, names[s])                # uint8 codes
     return out
-
-# %% ../nbs/11_speech.ipynb #32de87d3
-def save_codes(data:dict, # {split: Corpus} of µ-law codes (`load_ljspeech()`)
-               path, # the .npz file to write
-              ) -> Path:
-    "Keep µ-law corpora in one compressed .npz: per split its codes, clip starts and clip ids."
-    path = Path(path)
-    arrays = {}
-    for s, c in data.items():
-        arrays.update({f'{s}.tokens': c.tokens, f'{s}.doc_starts': c.doc_starts, f'{s}.names': np.asarray(c.names, dtype=str)})
-    np.savez_compressed(path, **arrays)
-    return path
-
-def load_codes(path, # a file written by `save_codes`
-              ) -> dict: # {split: Corpus}
-    "µ-law corpora from a `save_codes` file (no pickle is ever loaded)."
-    path = Path(path)
-    if not path.is_file(): raise FileNotFoundError(f'{path}: no such file. Write it with save_codes(load_ljspeech(), {str(path)!r}).')
-    with np.load(path, allow_pickle=False) as z:
-        splits = sorted({k.rsplit('.', 1)[0] for k in z.files}, key=lambda s: SPLITS.index(s) if s in SPLITS else len(SPLITS))
-        return {s: Corpus(z[f'{s}.tokens'], z[f'{s}.doc_starts'], z[f'{s}.names'].tolist()) for s in splits}
-
-# %% ../nbs/11_speech.ipynb #ad4a542e
-def code_entropy(tokens, # µ-law codes (any integer array)
-                 n_classes:int=N_CLASSES # the number of codes
-                ) -> float: # bits per sample
-    "Entropy of the code histogram in bits: the bits per sample of the best model that ignores context."
-    p = np.bincount(np.asarray(tokens, dtype=np.int64).ravel(), minlength=n_classes) / np.size(tokens)
-    p = p[p > 0]
-    return float(-(p * np.log2(p)).sum())
 
 # %% ../nbs/11_speech.ipynb #755ff4ce
 LJSPEECH_URL = 'https://data.keithito.com/data/speech/LJSpeech-1.1.tar.bz2'                  # the official download
@@ -298,6 +270,43 @@ def get_ljspeech(folder=None, # where to keep LJSpeech-1.1.tar.bz2 and the extra
     info = verify_ljspeech(out, n_clips, seconds, held)                          # 4. the clips themselves
     mark.write_text(json.dumps(dict(info, archive_sha256=sha256, url=url)))
     return out
+
+def ljspeech_folder(download:Callable=download_file, # see `get_ljspeech`
+                   ) -> Path: # a folder of LJ Speech clips (metadata.csv, flac/ or wavs/)
+    "The course's clips: the shared copy (`find_shared_data()`) where it exists, else the full corpus, downloaded and verified (Colab)."
+    try: return find_shared_data()/'speech'/'ljspeech'
+    except FileNotFoundError: return get_ljspeech(download=download)
+
+
+# %% ../nbs/11_speech.ipynb #32de87d3
+def save_codes(data:dict, # {split: Corpus} of µ-law codes (`load_ljspeech()`)
+               path, # the .npz file to write
+              ) -> Path:
+    "Keep µ-law corpora in one compressed .npz: per split its codes, clip starts and clip ids."
+    path = Path(path)
+    arrays = {}
+    for s, c in data.items():
+        arrays.update({f'{s}.tokens': c.tokens, f'{s}.doc_starts': c.doc_starts, f'{s}.names': np.asarray(c.names, dtype=str)})
+    np.savez_compressed(path, **arrays)
+    return path
+
+def load_codes(path, # a file written by `save_codes`
+              ) -> dict: # {split: Corpus}
+    "µ-law corpora from a `save_codes` file (no pickle is ever loaded)."
+    path = Path(path)
+    if not path.is_file(): raise FileNotFoundError(f'{path}: no such file. Write it with save_codes(load_ljspeech(), {str(path)!r}).')
+    with np.load(path, allow_pickle=False) as z:
+        splits = sorted({k.rsplit('.', 1)[0] for k in z.files}, key=lambda s: SPLITS.index(s) if s in SPLITS else len(SPLITS))
+        return {s: Corpus(z[f'{s}.tokens'], z[f'{s}.doc_starts'], z[f'{s}.names'].tolist()) for s in splits}
+
+# %% ../nbs/11_speech.ipynb #ad4a542e
+def code_entropy(tokens, # µ-law codes (any integer array)
+                 n_classes:int=N_CLASSES # the number of codes
+                ) -> float: # bits per sample
+    "Entropy of the code histogram in bits: the bits per sample of the best model that ignores context."
+    p = np.bincount(np.asarray(tokens, dtype=np.int64).ravel(), minlength=n_classes) / np.size(tokens)
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
 
 # %% ../nbs/11_speech.ipynb #d938117a
 @dataclass
