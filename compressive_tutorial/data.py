@@ -6,7 +6,7 @@
 __all__ = ['IGNORE_INDEX', 'ENWIK8_URL', 'ENWIK8_SIZE', 'ENWIK8_MD5', 'SPLITS', 'WIKITEXT103_PARQUET', 'PG19_PARQUET',
            'PG19_WORDS', 'BOOKS_COLUMNS', 'BOOKS_SOURCES', 'GITENBERG_FILES', 'NLTK_GUTENBERG_ZIP', 'DEBIAN_MIRRORS',
            'BIBLE_DEBS', 'ByteTokenizer', 'Document', 'Corpus', 'encode_documents', 'repo_root', 'data_cache_dir',
-           'find_shared_data', 'md5_file', 'verify_file', 'download_file', 'get_enwik8', 'load_enwik8',
+           'find_shared_data', 'file_digest', 'md5_file', 'verify_file', 'download_file', 'get_enwik8', 'load_enwik8',
            'strip_gutenberg', 'read_text', 'hash_split', 'read_split_table', 'load_books', 'count_words', 'split_table',
            'load_wikitext103', 'load_pg19', 'SubwordTokenizer', 'train_sentencepiece', 'word_perplexity', 'Batch',
            'StreamLoader', 'plot_stream_layout', 'fixture_download', 'books_sources_tsv', 'book_source', 'sha256_file',
@@ -167,12 +167,16 @@ ENWIK8_URL = 'http://mattmahoney.net/dc/enwik8.zip'  # the Hutter Prize distribu
 ENWIK8_SIZE = 100_000_000                            # bytes in the extracted file
 ENWIK8_MD5 = 'a1fa5ffddb56f4953e226637dabbb36a'      # md5 of the extracted file
 
-def md5_file(path, chunk:int=1<<22) -> str:
-    "Hex md5 of a file, read in chunks."
-    h = hashlib.md5()
+def file_digest(path, # the file to hash
+                algo:str='sha256', # a `hashlib` algorithm name ('md5', 'sha256', ...)
+                chunk:int=1<<22) -> str: # hex digest
+    "Hex digest of a file, read in chunks (never whole into memory)."
+    h = hashlib.new(algo)
     with open(path, 'rb') as f:
         while b := f.read(chunk): h.update(b)
     return h.hexdigest()
+
+def md5_file(path) -> str: return file_digest(path, 'md5')   # Enwik8's published checksum is an md5
 
 def verify_file(path, # the file to check
                 size:int, # expected size in bytes
@@ -712,12 +716,7 @@ def book_source(row, # one row of `BOOKS_SOURCES`
     raise ValueError(f'{file}: no known public source for {source!r}; put the file into the books folder by hand')
 
 # %% ../nbs/00_data.ipynb #79a672d1
-def sha256_file(path, chunk:int=1<<22) -> str:
-    "Hex sha256 of a file, read in chunks."
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while b := f.read(chunk): h.update(b)
-    return h.hexdigest()
+def sha256_file(path) -> str: return file_digest(path, 'sha256')   # the books' (and LJ Speech's) checksums
 
 def verify_sha256(path, # the file to check
                   size:int, # expected size in bytes

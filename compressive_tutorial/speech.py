@@ -6,9 +6,9 @@
 __all__ = ['MU', 'N_CLASSES', 'SAMPLE_RATE', 'FULL_SCALE', 'LJSPEECH_URL', 'LJSPEECH_SHA256', 'LJSPEECH_CLIPS',
            'LJSPEECH_SECONDS', 'LJSPEECH_HELD', 'KINDS', 'KIND_COLORS', 'GPU_STEPS', 'torchaudio_functional',
            'mu_law_encode', 'mu_law_decode', 'read_clip', 'ljspeech_split', 'ljspeech_clips', 'clip_codes',
-           'load_ljspeech', 'HeldClips', 'sha256_file', 'pcm_sha256', 'verify_ljspeech', 'get_ljspeech',
-           'ljspeech_folder', 'save_codes', 'load_codes', 'code_entropy', 'WaveNetConfig', 'receptive_field',
-           'WaveNetState', 'dilated_taps', 'GatedResidualLayer', 'WaveNet', 'n_params', 'speech_label', 'model_summary',
+           'load_ljspeech', 'HeldClips', 'pcm_sha256', 'verify_ljspeech', 'get_ljspeech', 'ljspeech_folder',
+           'save_codes', 'load_codes', 'code_entropy', 'WaveNetConfig', 'receptive_field', 'WaveNetState',
+           'dilated_taps', 'GatedResidualLayer', 'WaveNet', 'n_params', 'speech_label', 'model_summary',
            'summary_table', 'speech_run', 'describe_speech', 'plot_test_curves', 'results_table', 'plot_train_curves',
            'plot_audio', 'generate', 'paper_scaled_configs', 'gpu_train_config', 'gpu_run']
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from tqdm import tqdm
-from .data import SPLITS, Corpus, StreamLoader, data_cache_dir, find_shared_data, download_file
+from .data import SPLITS, Corpus, StreamLoader, data_cache_dir, find_shared_data, download_file, sha256_file
 from .xl import TransformerXL, lm_loss
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, load_checkpoint, sample, seed_everything
@@ -191,13 +191,6 @@ class HeldClips(NamedTuple):
     pcm_sha256:str   # sha256 of their 16-bit little-endian samples, clip after clip in id order (`pcm_sha256`)
 
 LJSPEECH_HELD = HeldClips('LJ002-0200', 385, '8246d5894017eef34aa728e7466d0a09eecb901d7c2d8c0e8a19971396d6661b')
-
-def sha256_file(path, chunk:int=1 << 22) -> str:
-    "Hex sha256 of a file, read in chunks."
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while b := f.read(chunk): h.update(b)
-    return h.hexdigest()
 
 def pcm_sha256(paths) -> str:
     "Hex sha256 of the 16-bit samples of audio files, in order: the same for a WAV and its lossless FLAC copy."
