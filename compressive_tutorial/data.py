@@ -180,17 +180,18 @@ def md5_file(path) -> str: return file_digest(path, 'md5')   # Enwik8's publishe
 
 def verify_file(path, # the file to check
                 size:int, # expected size in bytes
-                md5:str, # expected hex md5
+                digest:str, # expected hex digest (md5 for Enwik8, the published one)
                 what:str='the file', # its name in error messages
+                algo:str='md5', # the digest's `hashlib` algorithm
                ) -> Path:
-    "Check a file's size and md5; raise a ValueError that says what is wrong and what to do."
+    "Check a file's size and digest; raise a ValueError that says what is wrong and what to do."
     path = Path(path)
     n = path.stat().st_size
     if n != size: raise ValueError(f'{path} has {n:,} bytes but {what} has {size:,}: the file is truncated or not '
-                                   f'{what}. Delete it and call again to re-download, or replace it by hand.')
-    got = md5_file(path)
-    if got != md5: raise ValueError(f'{path} has md5 {got} but {what} has md5 {md5}: the file is corrupt or not '
-                                    f'{what}. Delete it and call again to re-download, or replace it by hand.')
+                                   f'{what}. Delete it and call again to download it again, or replace it by hand.')
+    got = file_digest(path, algo)
+    if got != digest: raise ValueError(f'{path} has {algo} {got} but {what} has {algo} {digest}: the file is corrupt or not '
+                                       f'{what}. Delete it and call again to download it again, or replace it by hand.')
     return path
 
 def download_file(url:str, dest, timeout:float=60.) -> Path:
@@ -718,19 +719,9 @@ def book_source(row, # one row of `BOOKS_SOURCES`
 # %% ../nbs/00_data.ipynb #79a672d1
 def sha256_file(path) -> str: return file_digest(path, 'sha256')   # the books' (and LJ Speech's) checksums
 
-def verify_sha256(path, # the file to check
-                  size:int, # expected size in bytes
-                  sha256:str, # expected hex sha256
-                  what:str='the file', # its name in error messages
-                 ) -> Path:
-    "Check a file's size and sha256; raise a ValueError that says what is wrong and what to do."
-    path, n = Path(path), Path(path).stat().st_size
-    if n != size: raise ValueError(f'{path} has {n:,} bytes but {what} has {size:,}: the file is truncated or not {what}. '
-                                   'Delete it and call again to fetch it again, or replace it by hand.')
-    if (got := sha256_file(path)) != sha256:
-        raise ValueError(f'{path} has sha256 {got} but {what} has sha256 {sha256}: the file is corrupt or not {what}. '
-                         'Delete it and call again to fetch it again, or replace it by hand.')
-    return path
+def verify_sha256(path, size:int, sha256:str, what:str='the file') -> Path:
+    "`verify_file` with a sha256 (the books' checksums)."
+    return verify_file(path, size, sha256, what, algo='sha256')
 
 def _ar_members(data:bytes) -> dict:
     "The members of an `ar` archive (the container of a .deb) as {name: bytes}."
