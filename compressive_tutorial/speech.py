@@ -538,21 +538,25 @@ def describe_speech(res:dict) -> str:
 # %% ../nbs/11_speech.ipynb #7bf8136d
 KIND_COLORS = {'txl': 'C0', 'ct': 'C3', 'wavenet': 'C2'}
 
+def _plot_runs(results, key:str, ylabel:str, ax, title:str, faint:float, *fmt, **style):
+    "One line per run of `curve[key]` against steps, a colour per model kind, seeds other than 0 fainter."
+    import matplotlib.pyplot as plt
+    results = list(results.values()) if isinstance(results, dict) else list(results)
+    if ax is None: _, ax = plt.subplots(figsize=(7, 3.6))
+    for r in results:
+        pts = [h for h in r['curve'] if key in h]
+        ax.plot([h['step'] for h in pts], [h[key] for h in pts], *fmt, color=KIND_COLORS.get(r['kind']),
+                alpha=0.9 if r.get('seed', 0) == 0 else faint, label=r['name'], **style)
+    ax.set_xlabel('training step (one chunk per stream)'); ax.set_ylabel(ylabel); ax.set_title(title)
+    ax.grid(alpha=0.3); ax.legend(fontsize=8)
+    return ax
+
 def plot_test_curves(results, # run results (dicts from `speech_run`), a list or a {label: result} dict
                      ax=None, # matplotlib axes (None: a new figure)
                      title:str='', # the panel's title
                     ):
     "Figure-4-style plot: test bits per sample against training steps, a line per run, a colour per model kind."
-    import matplotlib.pyplot as plt
-    results = list(results.values()) if isinstance(results, dict) else list(results)
-    if ax is None: _, ax = plt.subplots(figsize=(7, 3.6))
-    for r in results:
-        pts = [h for h in r['curve'] if 'test_bps' in h]
-        ax.plot([h['step'] for h in pts], [h['test_bps'] for h in pts], 'o-', ms=3, lw=1.2,
-                color=KIND_COLORS.get(r['kind']), alpha=0.9 if r.get('seed', 0) == 0 else 0.55, label=r['name'])
-    ax.set_xlabel('training step (one chunk per stream)'); ax.set_ylabel('test bits per sample'); ax.set_title(title)
-    ax.grid(alpha=0.3); ax.legend(fontsize=8)
-    return ax
+    return _plot_runs(results, 'test_bps', 'test bits per sample', ax, title, 0.55, 'o-', ms=3, lw=1.2)
 
 # %% ../nbs/11_speech.ipynb #c91523c9
 def results_table(results, # run results (dicts from `speech_run`), a list or a {label: result} dict
@@ -572,16 +576,7 @@ def plot_train_curves(results, # run results (dicts from `speech_run`), a list o
                       title:str='', # the panel's title
                      ):
     "Training bits per sample (the logged mean of every `log_every` steps) against steps, a colour per model kind."
-    import matplotlib.pyplot as plt
-    results = list(results.values()) if isinstance(results, dict) else list(results)
-    if ax is None: _, ax = plt.subplots(figsize=(7, 3.6))
-    for r in results:
-        pts = [h for h in r['curve'] if 'bpb' in h]
-        ax.plot([h['step'] for h in pts], [h['bpb'] for h in pts], lw=1, color=KIND_COLORS.get(r['kind']),
-                alpha=0.9 if r.get('seed', 0) == 0 else 0.5, label=r['name'])
-    ax.set_xlabel('training step (one chunk per stream)'); ax.set_ylabel('training bits per sample'); ax.set_title(title)
-    ax.grid(alpha=0.3); ax.legend(fontsize=8)
-    return ax
+    return _plot_runs(results, 'bpb', 'training bits per sample', ax, title, 0.5, lw=1)
 
 # %% ../nbs/11_speech.ipynb #ea49c7c3
 def plot_audio(wave, # (N,) waveform in [-1, 1] (tensor or array)
