@@ -219,28 +219,42 @@ def rel_shift(x:Tensor # (..., T, K) scores against reversed distances: column k
     return x.view(*lead, T, K + T - 1)[..., :K]              # (..., T, K): row i moved left by T-1-i
 
 # %% ../nbs/01_attention.ipynb #a1f00002
+def _rows_dense(x:Tensor) -> bool:
+    "Whether x's rows (last dim) are contiguous, one after another, and its leading dims tile memory in some order."
+    *lead, T, K = x.shape
+    if x.stride(-1) != 1 or x.stride(-2) != K: return False
+    order = sorted(range(len(lead)), key=lambda i: -x.stride(i))   # e.g. (B, H) stored head-major: the pos GEMM's output
+    return x.permute(*order, len(lead), len(lead) + 1).is_contiguous()
+
 class _ShiftMasked(torch.autograd.Function):
     "rel_shift + mask as one strided read (forward) and one strided write (backward)."
     @staticmethod
     def forward(ctx, x:Tensor, mask:Tensor) -> Tensor:
-        x = x.contiguous()
+        if not _rows_dense(x): x = x.contiguous()
         *lead, T, K = x.shape
         view = x.as_strided(x.shape, (*x.stride()[:-2], K - 1, 1), x.storage_offset() + T - 1)  # row i from column T-1-i
         ctx.save_for_backward(mask)
-        return torch.where(mask, view, float('-inf'))                # (..., T, K), the only pass over the scores
+        ctx.layout = x.shape, x.stride()
+        out = x.new_empty(x.shape)                                   # contiguous, whatever order x's leading dims have
+        return torch.where(mask, view, x.new_tensor(float('-inf')), out=out)   # (..., T, K), the only pass over the scores
 
     @staticmethod
     def backward(ctx, g:Tensor):
         mask, = ctx.saved_tensors
-        *lead, T, K = g.shape
-        L = K + T - 1                                                # rows of length K+T-1 never overlap in the write
-        buf = g.new_zeros(*lead, T, L)                               # (..., T, L)
-        buf.as_strided(g.shape, (*buf.stride()[:-2], L - 1, 1), T - 1).copy_(torch.where(mask, g, 0.))
-        return buf[..., :K], None                                    # (..., T, K): row i moved back right by T-1-i
+        shape, stride = ctx.layout
+        *lead, T, K = shape
+        gx = torch.empty_strided(shape, stride, dtype=g.dtype, device=g.device)   # x's layout: its producer reads it as is
+        # Row i of the forward read columns T-1-i .. of x. Written back as rows of K-1 that follow each other at stride K-1,
+        # they tile flat positions [T-1, T*K-1) of each (T, K) block exactly; what spills into row i+1 is masked (zero).
+        rows = gx.as_strided((*lead, T, K - 1), (*stride[:-2], K - 1, 1), T - 1)
+        torch.where(mask[..., :K - 1], g[..., :K - 1], g.new_zeros(()), out=rows)
+        gx[..., 0, :T - 1] = 0                                       # the flat head: distances no query reaches
+        gx[..., T - 1, K - 1] = torch.where(mask[..., T - 1, K - 1], g[..., T - 1, K - 1], 0.)   # the flat tail: distance 0
+        return gx, None
 
 def shift_masked(x:Tensor, # (..., T, K) scores against reversed distances (column k is distance K-1-k), e.g. (q+v) Q^T
                  mask:Tensor # bool, broadcastable to (..., T, K); True = may attend; must hide everything above the causal boundary
-                ) -> Tensor: # (..., T, K) equal to rel_shift(x) where mask, -inf elsewhere
+                ) -> Tensor: # (..., T, K) contiguous, equal to rel_shift(x) where mask, -inf elsewhere
     "`rel_shift(x).masked_fill(~mask, -inf)` in one pass: the shift is a strided view of `x`, not a padded copy."
     if x.shape[-1] < x.shape[-2]: raise ValueError(f"shift_masked needs K >= T keys, got x of shape {tuple(x.shape)}.")
     return _ShiftMasked.apply(x, mask)
@@ -249,17 +263,22 @@ def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d
                   k:Tensor, # (B, H, K, d_h) keys
                   v:Tensor, # (B, H, K, d_h) values
                   bias:Tensor, # (B, H, T, K) float additive scores, -inf where attention is not allowed
-                  dropout_p:float=0. # dropout on the attention probabilities
+                  dropout_p:float=0., # dropout on the attention probabilities
+                  overwrite:bool=False # the caller's bias is a scratch tensor: without gradients, the scores may be written into it
                  ) -> Tensor: # (B, H, T, d_h) softmax(q k^T + bias) v
     "softmax(q k^T + bias) v with the fastest kernel that takes a float bias (and its gradient, when one is needed)."
-    if bias.requires_grad and torch.is_grad_enabled() and q.device.type == 'cpu':  # CPU SDPA would fall back to its math kernel
-        B, H, T, dh = q.shape
-        K = k.shape[2]
-        s = torch.baddbmm(bias.reshape(B * H, T, K), q.reshape(B * H, T, dh), k.reshape(B * H, K, dh).transpose(1, 2))  # (BH, T, K)
-        p = s.softmax(-1)                                            # a row always keeps its own key: never all -inf
-        if dropout_p > 0: p = F.dropout(p, dropout_p)
-        return (p @ v.reshape(B * H, K, dh)).view(B, H, T, dh)      # (B, H, T, d_h)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=1.0)  # fused kernel (CUDA: with bias grad)
+    if q.device.type != 'cpu':                                       # fused kernel (CUDA: with the bias gradient)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=1.0)
+    B, H, T, dh = q.shape                                            # CPU: one GEMM adds q k^T to the bias, then softmax, then p v
+    K = k.shape[2]
+    qk = q.reshape(B * H, T, dh), k.reshape(B * H, K, dh).transpose(1, 2)
+    if overwrite and not torch.is_grad_enabled() and bias.is_contiguous():
+        s = bias.view(B * H, T, K).baddbmm_(*qk)                     # evaluation: no copy of the bias, softmax in place
+        p = torch.softmax(s, -1, out=s)
+    else: p = torch.baddbmm(bias.reshape(B * H, T, K), *qk).softmax(-1)   # a row always keeps its own key: never all -inf
+    if dropout_p > 0: p = F.dropout(p, dropout_p)
+    return (p @ v.reshape(B * H, K, dh)).view(B, H, T, dh)          # (B, H, T, d_h)
+
 
 # %% ../nbs/01_attention.ipynb #0e1658c3
 class RelativeMultiHeadAttention(MultiHeadAttention):
@@ -280,11 +299,16 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         self.v_bias = nn.Parameter(torch.randn(n_heads, self.d_head) * 0.02)  # v: global position bias, per head
 
     def rel_proj(self, K:int, device=None) -> Tensor:
-        "The paper's Q: row k is $W_{k,R} R_{K-1-k}$, split into heads `(H, d_h, K)`."
+        "The paper's Q: row k is $W_{k,R} R_{K-1-k}$, split into heads `(H, d_h, K)`; kept while no gradient is taken and W_{k,R} is unchanged."
+        dev = torch.device(device or self.r.weight.device)
+        key = (K, dev, self.r.weight.data_ptr(), self.r.weight._version, torch.is_autocast_enabled(dev.type))
+        if not torch.is_grad_enabled() and getattr(self, '_rel_cache', (None,))[0] == key: return self._rel_cache[1]
         pos = torch.arange(K - 1, -1, -1, device=device)   # distances K-1 .. 0
         if self.clamp_len is not None: pos = pos.clamp(max=self.clamp_len)
         R = sinusoid_embedding(pos, self.d_model).to(self.r.weight.dtype)  # (K, d)
-        return self.r(R).view(K, self.n_heads, self.d_head).permute(1, 2, 0)  # (H, d_h, K)
+        Q = self.r(R).view(K, self.n_heads, self.d_head).permute(1, 2, 0)  # (H, d_h, K)
+        if not torch.is_grad_enabled(): self._rel_cache = (key, Q)  # evaluation: every window of the same length reuses it
+        return Q
 
     def terms(self, q:Tensor, k:Tensor) -> dict:
         "The four unscaled score terms (a), (b), (c), (d) of §3.3, each `(B, H, T, K)` (b, d zero above the causal boundary)."
@@ -303,6 +327,11 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
     def fast_attend(self, q:Tensor, k:Tensor, v:Tensor, mask:Tensor, dropout_p:float) -> Tensor:
         "Efficient path: (b)+(d) $=\\mathrm{shift}((q+v)Q)$ as a masked bias in one strided pass, then `attend_biased` with query $q+u$."
         s = 1 / math.sqrt(self.d_head)                                    # scale the small (B, H, T, d_h) queries, not the scores
-        Q = self.rel_proj(k.shape[2], q.device).to(q.dtype)               # (H, d_h, K)
-        bias = shift_masked((q * s + self.v_bias[:, None, :] * s) @ Q, mask)  # (B, H, T, K): (b)+(d), -inf where masked
-        return attend_biased(q * s + self.u_bias[:, None, :] * s, k.to(q.dtype), v.to(q.dtype), bias, dropout_p)  # (B, H, T, d_h)
+        B, H, T, dh = q.shape
+        K = k.shape[2]
+        Q = self.rel_proj(K, q.device).to(q.dtype)                        # (H, d_h, K), the same for every stream
+        qv = (q * s + self.v_bias[:, None, :] * s).transpose(0, 1).reshape(H, B * T, dh)   # (H, B*T, d_h): a view, q is (B, T, H, d_h) in memory
+        pos = torch.bmm(qv, Q).view(H, B, T, K).transpose(0, 1)           # (B, H, T, K): one GEMM per head over all B*T queries
+        bias = shift_masked(pos, mask)                                    # (B, H, T, K): (b)+(d), -inf where masked
+        return attend_biased(q * s + self.u_bias[:, None, :] * s, k.to(q.dtype), v.to(q.dtype), bias, dropout_p, overwrite=True)
+

@@ -71,8 +71,8 @@ def ct_flops_per_token(cfg:BenchConfig, # the sizes
     pos = 2 * d * d * K / (s * B)                         # W_R R: once per window and layer, shared by the batch
     conv = 2 * d * d if ct else 0                         # f_c: (c d -> d) per c evicted memories, one window per window
     new_cm = 4 * d * d / c if ct else 0                   # k, v of the n_s / c new compressed slots
-    if not training:                                      # K/V cache: memory slots are never projected again
-        return cfg.n_layers * (dense + attn + pos + conv + new_cm) + 2 * d * V
+    if not training:                                      # K/V cache: memory slots are never projected again; Q = W_R R is
+        return cfg.n_layers * (dense + attn + conv + new_cm) + 2 * d * V   # kept between windows (the weights do not change)
     mem_kv = 4 * d * d * M / s                            # the memories' k, v, projected again each window (weights change)
     aux = (4 * s * d + 2 * new_cm + 3 * 4 * s / c * d) if ct else 0   # target read-out (no grad); new slots' k, v (fwd + input
                                                           # grad: frozen weights) and their read-out (fwd + bwd)
@@ -230,15 +230,15 @@ def mm_flops(device:str='cpu', # where
 
 def counted_flops(runner:Runner, cfg:BenchConfig, x:Tensor, y:Tensor) -> tuple:
     "(training, inference) matmul FLOPs per token that `torch.utils.flop_counter` sees one window of `runner` do."
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop, sdpa_backward_flop
-    aten = torch.ops.aten                                 # torch 2.13 counts the CUDA attention kernels but not the CPU one
-    def raw(f):                                           # these two already take tensors (they are registered for CUDA)
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop, sdpa_backward_flop, baddbmm_flop
+    aten = torch.ops.aten                                 # torch 2.13 counts the CUDA attention kernels but not the CPU one,
+    def raw(f):                                           # nor in-place baddbmm_; these formulas already take tensors
         g = lambda *a, **k: f(*a, **k); g._get_raw = True; return g
-    cpu_sdpa = {aten._scaled_dot_product_flash_attention_for_cpu: raw(sdpa_flop),
-                aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(sdpa_backward_flop)}
+    extra = {aten._scaled_dot_product_flash_attention_for_cpu: raw(sdpa_flop),
+             aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(sdpa_backward_flop), aten.baddbmm_: raw(baddbmm_flop)}
     out = []
     for train in (False, True):                           # inference first: a training step would make the K/V cache stale
-        with FlopCounterMode(display=False, custom_mapping=cpu_sdpa) as fc, _autocast(cfg):
+        with FlopCounterMode(display=False, custom_mapping=extra) as fc, _autocast(cfg):
             runner.train_step(x, y) if train else runner.infer_step(x)
         out.append(fc.get_total_flops() / x.numel())
     return out[1], out[0]
