@@ -257,6 +257,7 @@ def shift_masked(x:Tensor, # (..., T, K) scores against reversed distances (colu
                 ) -> Tensor: # (..., T, K) contiguous, equal to rel_shift(x) where mask, -inf elsewhere
     "`rel_shift(x).masked_fill(~mask, -inf)` in one pass: the shift is a strided view of `x`, not a padded copy."
     if x.shape[-1] < x.shape[-2]: raise ValueError(f"shift_masked needs K >= T keys, got x of shape {tuple(x.shape)}.")
+    if torch.compiler.is_compiling(): return rel_shift(x).masked_fill(~mask, float('-inf'))   # the compiler fuses these itself
     return _ShiftMasked.apply(x, mask)
 
 def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d_h)
@@ -272,7 +273,7 @@ def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d
     B, H, T, dh = q.shape                                            # CPU: one GEMM adds q k^T to the bias, then softmax, then p v
     K = k.shape[2]
     qk = q.reshape(B * H, T, dh), k.reshape(B * H, K, dh).transpose(1, 2)
-    if overwrite and not torch.is_grad_enabled() and bias.is_contiguous():
+    if overwrite and not torch.is_grad_enabled() and bias.is_contiguous() and not torch.compiler.is_compiling():
         s = bias.view(B * H, T, K).baddbmm_(*qk)                     # evaluation: no copy of the bias, softmax in place
         p = torch.softmax(s, -1, out=s)
     else: p = torch.baddbmm(bias.reshape(B * H, T, K), *qk).softmax(-1)   # a row always keeps its own key: never all -inf
@@ -300,14 +301,15 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
 
     def rel_proj(self, K:int, device=None) -> Tensor:
         "The paper's Q: row k is $W_{k,R} R_{K-1-k}$, split into heads `(H, d_h, K)`; kept while no gradient is taken and W_{k,R} is unchanged."
+        keep = not (torch.is_grad_enabled() or torch.compiler.is_compiling())   # (a compiled graph recomputes it: no Python state)
         dev = torch.device(device or self.r.weight.device)
-        key = (K, dev, self.r.weight.data_ptr(), self.r.weight._version, torch.is_autocast_enabled(dev.type))
-        if not torch.is_grad_enabled() and getattr(self, '_rel_cache', (None,))[0] == key: return self._rel_cache[1]
+        key = (K, dev, self.r.weight.data_ptr(), self.r.weight._version, torch.is_autocast_enabled(dev.type)) if keep else None
+        if keep and getattr(self, '_rel_cache', (None,))[0] == key: return self._rel_cache[1]
         pos = torch.arange(K - 1, -1, -1, device=device)   # distances K-1 .. 0
         if self.clamp_len is not None: pos = pos.clamp(max=self.clamp_len)
         R = sinusoid_embedding(pos, self.d_model).to(self.r.weight.dtype)  # (K, d)
         Q = self.r(R).view(K, self.n_heads, self.d_head).permute(1, 2, 0)  # (H, d_h, K)
-        if not torch.is_grad_enabled(): self._rel_cache = (key, Q)  # evaluation: every window of the same length reuses it
+        if keep: self._rel_cache = (key, Q)                        # evaluation: every window of the same length reuses it
         return Q
 
     def terms(self, q:Tensor, k:Tensor) -> dict:

@@ -54,7 +54,7 @@ class BenchConfig:
 
 BENCH_CPU = BenchConfig()
 BENCH_GPU = BenchConfig(n_layers=8, d_model=512, n_heads=8, d_ff=2048, n_s=512, n_m=512, n_cm=512, c=4, batch_size=16,
-                        dtype='bfloat16', device='cuda', reps=5)
+                        dtype='bfloat16', device='cuda', reps=5, impls=('ours-ct', 'ours-ct-compiled', 'ours-txl', 'lucidrains-ct', 'labml-ct'))
 
 # %% ../nbs/15_performance.ipynb #b1500012
 def ct_flops_per_token(cfg:BenchConfig, # the sizes
@@ -84,17 +84,21 @@ class Runner:
     "One implementation under test: a model, its optimiser, its memory state, a training step and an inference step."
     name = ''        # how the tables call it
     computes = ''    # what one training step of it computes, in words
+    warmup_mult = 1  # windows run before timing: this times the config's warmup (a compiled model compiles in them)
     def train_step(self, x:Tensor, y:Tensor): raise NotImplementedError
     def infer_step(self, x:Tensor): raise NotImplementedError
     def reset(self): "Forget the memories (a new stream)."
 
 class OursRunner(Runner):
     "Our TransformerXL or CompressiveTransformer: the task loss trains the model, the reconstruction loss only f_c."
-    def __init__(self, cfg:BenchConfig, kind:str='ct', **model_kw):
+    def __init__(self, cfg:BenchConfig, kind:str='ct', compiled:bool=False, **model_kw):
         self.cfg, self.kind = cfg, kind
-        self.name = f'ours-{kind}'
+        self.name = f'ours-{kind}' + ('-compiled' if compiled else '')
         m = CompressiveTransformer(cfg.ct(**model_kw)) if kind == 'ct' else TransformerXL(cfg.txl(**model_kw))
         self.model = m.to(cfg.device)
+        if compiled:                                        # torch.compile each layer (the memory bookkeeping stays eager)
+            for layer in self.model.layers: layer.compile()
+            self.warmup_mult = 3                            # one graph per memory length while the memories fill, then steady
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.computes = ('relative attention (a)+(b)+(c)+(d) over [cm; m; window], K/V weight gradients, conv f_c, '
                          'attention-reconstruction loss (Algorithm 2) into f_c only' if kind == 'ct' else
@@ -193,6 +197,7 @@ class LabmlRunner(Runner):
         self._merge(new_mem)
 
 RUNNERS = {'ours-ct': lambda cfg: OursRunner(cfg, 'ct'), 'ours-txl': lambda cfg: OursRunner(cfg, 'txl'),
+           'ours-ct-compiled': lambda cfg: OursRunner(cfg, 'ct', compiled=True),
            'lucidrains-ct': LucidrainsRunner, 'labml-ct': LabmlRunner}
 
 def make_runners(cfg:BenchConfig) -> tuple: # ({name: Runner}, {name: why it was skipped})
@@ -237,8 +242,9 @@ def counted_flops(runner:Runner, cfg:BenchConfig, x:Tensor, y:Tensor) -> tuple:
     extra = {aten._scaled_dot_product_flash_attention_for_cpu: raw(sdpa_flop),
              aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(sdpa_backward_flop), aten.baddbmm_: raw(baddbmm_flop)}
     out = []
-    for train in (False, True):                           # inference first: a training step would make the K/V cache stale
-        with FlopCounterMode(display=False, custom_mapping=extra) as fc, _autocast(cfg):
+    for train in (False, True):                           # inference first: a training step would make the K/V cache stale;
+                                                          # eager: a compiled model does the same matmuls, and the counter sees them
+        with FlopCounterMode(display=False, custom_mapping=extra) as fc, _autocast(cfg), torch.compiler.set_stance('force_eager'):
             runner.train_step(x, y) if train else runner.infer_step(x)
         out.append(fc.get_total_flops() / x.numel())
     return out[1], out[0]
@@ -277,7 +283,7 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
         for n, r in runners.items():                       # warm-up: fill memories (and let CUDA pick its kernels)
             r.reset()
             with _autocast(cfg):
-                for i in range(cfg.warmup): r.train_step(*xy(i)) if phase == 'train' else r.infer_step(xy(i)[0])
+                for i in range(cfg.warmup * r.warmup_mult): r.train_step(*xy(i)) if phase == 'train' else r.infer_step(xy(i)[0])
         for rep in range(cfg.reps):
             mm.append(mm_flops(dev, cfg.dtype, seconds=0.3))
             for n in names[rep % len(names):] + names[:rep % len(names)]:    # rotate the order every repetition

@@ -76,3 +76,32 @@ def test_flops_formula_matches_the_counter():
         train, infer = counted_flops(r, cfg, x, x)
         assert infer == ct_flops_per_token(cfg, False, kind)
         assert abs(train - ct_flops_per_token(cfg, True, kind)) < 5e-3 * train
+
+
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA'))])
+def test_compiled_layers_equal_eager(device):
+    "torch.compile of every layer: no graph break, and the same losses, gradients and evaluation logits as eager."
+    import copy, torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset(); counters.clear()
+    torch.manual_seed(0)
+    eager = CompressiveTransformer(CTConfig(vocab_size=32, d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=8, n_m=8, n_cm=8,
+                                            c=2, compression='conv', compression_loss='attention')).to(device)
+    compiled = copy.deepcopy(eager)
+    for layer in compiled.layers: layer.compile()
+    x = torch.randint(0, 32, (2, 8), device=device)
+    states = [None, None]
+    for _ in range(6):                                      # by the 4th window memory and compressed memory are full
+        losses = []
+        for i, m in enumerate((eager, compiled)):
+            _, loss, states[i] = m(x, states[i], targets=x)
+            (loss + (m.aux_loss if m.aux_loss is not None else 0)).backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(eager.parameters(), compiled.parameters()): torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+    eager.eval(); compiled.eval()
+    with torch.no_grad():
+        for _ in range(4):
+            (la, _, states[0]), (lb, _, states[1]) = eager(x, states[0]), compiled(x, states[1])
+            torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
+    assert not counters['graph_break'], f"graph breaks: {dict(counters['graph_break'])}"
