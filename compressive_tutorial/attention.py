@@ -236,7 +236,7 @@ class _ShiftMasked(torch.autograd.Function):
         ctx.save_for_backward(mask)
         ctx.layout = x.shape, x.stride()
         out = x.new_empty(x.shape)                                   # contiguous, whatever order x's leading dims have
-        return torch.where(mask, view, x.new_tensor(float('-inf')), out=out)   # (..., T, K), the only pass over the scores
+        return torch.where(mask, view, x.new_full((), float('-inf')), out=out)  # (..., T, K), the only pass over the scores
 
     @staticmethod
     def backward(ctx, g:Tensor):
