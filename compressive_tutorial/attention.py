@@ -263,7 +263,7 @@ def shift_masked(x:Tensor, # (..., T, K) scores against reversed distances (colu
 def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d_h)
                   k:Tensor, # (B, H, K, d_h) keys
                   v:Tensor, # (B, H, K, d_h) values
-                  bias:Tensor, # (B, H, T, K) float additive scores, -inf where attention is not allowed
+                  bias:Tensor, # float additive scores broadcastable to (B, H, T, K), -inf where attention is not allowed
                   dropout_p:float=0., # dropout on the attention probabilities
                   overwrite:bool=False # the caller's bias is a scratch tensor: without gradients, the scores may be written into it
                  ) -> Tensor: # (B, H, T, d_h) softmax(q k^T + bias) v
@@ -273,10 +273,10 @@ def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d
     B, H, T, dh = q.shape                                            # CPU: one GEMM adds q k^T to the bias, then softmax, then p v
     K = k.shape[2]
     qk = q.reshape(B * H, T, dh), k.reshape(B * H, K, dh).transpose(1, 2)
-    if overwrite and not torch.is_grad_enabled() and bias.is_contiguous() and not torch.compiler.is_compiling():
+    if overwrite and not torch.is_grad_enabled() and bias.shape == (B, H, T, K) and bias.is_contiguous() and not torch.compiler.is_compiling():
         s = bias.view(B * H, T, K).baddbmm_(*qk)                     # evaluation: no copy of the bias, softmax in place
         p = torch.softmax(s, -1, out=s)
-    else: p = torch.baddbmm(bias.reshape(B * H, T, K), *qk).softmax(-1)   # a row always keeps its own key: never all -inf
+    else: p = torch.baddbmm(bias.expand(B, H, T, K).reshape(B * H, T, K), *qk).softmax(-1)   # a row always keeps its own key
     if dropout_p > 0: p = F.dropout(p, dropout_p)
     return (p @ v.reshape(B * H, K, dh)).view(B, H, T, dh)          # (B, H, T, d_h)
 
