@@ -280,10 +280,14 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
     mm = []
     names = list(runners)
     for phase in ('train', 'infer'):
-        for n, r in runners.items():                       # warm-up: fill memories (and let CUDA pick its kernels)
+        for n, r in list(runners.items()):                 # warm-up: fill memories (and let CUDA pick its kernels, or compile)
             r.reset()
-            with _autocast(cfg):
-                for i in range(cfg.warmup * r.warmup_mult): r.train_step(*xy(i)) if phase == 'train' else r.infer_step(xy(i)[0])
+            try:
+                with _autocast(cfg):
+                    for i in range(cfg.warmup * r.warmup_mult): r.train_step(*xy(i)) if phase == 'train' else r.infer_step(xy(i)[0])
+            except Exception as e:                         # one implementation that cannot run here must not cost the others' run
+                skipped[n] = f"failed in the {phase} warm-up: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+                del runners[n], res[n]; names.remove(n)
         for rep in range(cfg.reps):
             mm.append(mm_flops(dev, cfg.dtype, seconds=0.3))
             for n in names[rep % len(names):] + names[:rep % len(names)]:    # rotate the order every repetition
