@@ -74,8 +74,8 @@ def ct_flops_per_token(cfg:BenchConfig, # the sizes
     if not training:                                      # K/V cache: memory slots are never projected again; Q = W_R R is
         return cfg.n_layers * (dense + attn + conv + new_cm) + 2 * d * V   # kept between windows (the weights do not change)
     mem_kv = 4 * d * d * M / s                            # the memories' k, v, projected again each window (weights change)
-    aux = (4 * s * d + 2 * new_cm + 3 * 4 * s / c * d) if ct else 0   # target read-out (no grad); new slots' k, v (fwd + input
-                                                          # grad: frozen weights) and their read-out (fwd + bwd)
+    aux = (4 * s * d + 2 * new_cm + (4 + 6) * s / c * d) if ct else 0   # target read-out (no grad); new slots' k, v (fwd + input
+                                                          # grad: frozen weights); their read-out: fwd, and a bwd of 1.5 x fwd (no query grad)
     # backward = 2 x forward, except where only the weight gradient exists (detached inputs): memories' k, v, W_R R, f_c
     return cfg.n_layers * (3 * (dense + attn) + 2 * (mem_kv + pos + conv) + aux) + 3 * 2 * d * V
 

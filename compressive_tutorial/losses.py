@@ -89,12 +89,20 @@ def projected_reconstruction_loss(q:Tensor, # (B, H, n_s, d_h) the layer's queri
                          "with the same B, H and d_h: pass the layer's own projections, split into heads")
     _check_attention_module(attn, new_cm.shape[-1])
     q, k_old, v_old = q.detach(), k_old.detach(), v_old.detach()          # 1. stop gradient into the transformer
-    s = None if scale else 1.0                                           # SDPA's default scale is 1/sqrt(d_h)
-    with torch.no_grad(): target = F.scaled_dot_product_attention(q, k_old, v_old, scale=s)  # (B, H, n_s, d_h), no graph
     heads = lambda x: x.view(B, -1, H, dh).transpose(1, 2)               # (B, n, d) -> (B, H, n, d_h)
-    k_c = heads(F.linear(new_cm, attn.k.weight.detach()))                # 2. frozen weights, gradient into new_cm only
-    v_c = heads(F.linear(new_cm, attn.v.weight.detach()))                # (B, H, n_old/c, d_h)
-    recon = F.scaled_dot_product_attention(q, k_c.to(q.dtype), v_c.to(q.dtype), scale=s)  # (B, H, n_s, d_h)
+    k_c = heads(F.linear(new_cm, attn.k.weight.detach())).to(q.dtype)   # 2. frozen weights, gradient into new_cm only
+    v_c = heads(F.linear(new_cm, attn.v.weight.detach())).to(q.dtype)   # (B, H, n_old/c, d_h)
+    s = 1 / math.sqrt(dh) if scale else 1.0
+    if q.device.type != 'cpu':                                           # GPU: the fused kernel
+        with torch.no_grad(): target = F.scaled_dot_product_attention(q, k_old, v_old, scale=s)   # (B, H, n_s, d_h), no graph
+        recon = F.scaled_dot_product_attention(q, k_c, v_c, scale=s)     # (B, H, n_s, d_h)
+    else:                                                                # CPU: batched GEMMs over the B*H heads
+        flat = lambda x: x.reshape(B * H, -1, dh)                        # (B, H, n, d_h) -> (BH, n, d_h)
+        qs = flat(q * s)                                                 # the scale on the queries, once
+        with torch.no_grad():
+            a = torch.bmm(qs, flat(k_old).transpose(1, 2))               # (BH, n_s, n_old) scores, no graph
+            target = torch.bmm(torch.softmax(a, -1, out=a), flat(v_old)) # (BH, n_s, d_h): softmax over its own scores
+        recon = torch.bmm(torch.bmm(qs, flat(k_c).transpose(1, 2)).softmax(-1), flat(v_c))   # (BH, n_s, d_h)
     return F.mse_loss(recon, target)                                     # 3. the same mean over (B, n_s, d) entries
 
 # %% ../nbs/04_compression_losses.ipynb #b64deff4
