@@ -360,18 +360,23 @@ def report(r:dict # what `run_benchmark` returned
              f"large torch.mm: median {mm / 1e9:,.1f} GFLOP/s (min {min(r['mm_flops']) / 1e9:,.1f}, max {max(r['mm_flops']) / 1e9:,.1f}) "
              f"over {len(r['mm_flops'])} timings interleaved with the runs", '']
     has_ref = ref in res
+    ratios = lambda n, ph: [a / b for a, b in zip(res[n][ph], res[ref][ph])]   # one per repetition: same spell, same order
     hdr = (f"{'implementation':<15}{'train tok/s':>12}{'x ' + ref[:10]:>15}{'infer tok/s':>13}{'x ' + ref[:10]:>15}"
            f"{'MFLOP/tok tr/inf':>18}{'GFLOP/s train':>14}{'% of mm':>8}{'peak MiB tr/inf':>17}")
     lines += [hdr, '-' * len(hdr)]
     for n, v in res.items():
         ft, fi = v['flops_counted']
-        ratio = lambda ph: f"{statistics.median(a / b for a, b in zip(v[ph], res[ref][ph])):.2f}x" if has_ref else '-'
+        ratio = lambda ph: f"{statistics.median(ratios(n, ph)):.2f}x" if has_ref else '-'
         pk = v.get('peak_mib')
         lines.append(f"{n:<15}{v['train_tps']:>12,.0f}{ratio('train'):>15}{v['infer_tps']:>13,.0f}{ratio('infer'):>15}"
                      f"{ft / 1e6:>8,.1f}/{fi / 1e6:<9,.1f}{ft * v['train_tps'] / 1e9:>14,.1f}{100 * ft * v['train_tps'] / mm:>7.0f}%"
                      f"{(f'{pk[0]:,.0f}/{pk[1]:,.0f}' if pk else '-'):>17}")
     lines += ['', '(MFLOP/tok: matmul FLOPs counted by torch.utils.flop_counter in one window, per token; tok/s: median over the '
               'repetitions; x: median of the per-repetition ratios, robust to a slow spell that hits one repetition)']
+    if has_ref and len(res) > 1:                          # how far the repetitions disagree: the noise behind each ratio
+        span = lambda n, ph: f"{min(ratios(n, ph)):.2f}-{max(ratios(n, ph)):.2f}"
+        lines.append(f"per-repetition ratios to {ref}, min-max: " +
+                     '; '.join(f"{n} train {span(n, 'train')}, infer {span(n, 'infer')}" for n in res if n != ref))
     f = r['flops_formula']
     lines.append(f"model FLOPs per token (formula, ours): CT train {f['ct-train'] / 1e6:,.1f} M, infer {f['ct-infer'] / 1e6:,.1f} M; "
                  f"TXL train {f['txl-train'] / 1e6:,.1f} M, infer {f['txl-infer'] / 1e6:,.1f} M")
