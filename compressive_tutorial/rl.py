@@ -27,7 +27,7 @@ import gymnasium as gym
 from gymnasium import spaces
 from gymnasium.vector import SyncVectorEnv, AutoresetMode
 from tqdm import tqdm
-from .xl import XLConfig, TransformerXL, xl_equivalent_mask
+from .xl import XLConfig, TransformerXL, xl_equivalent_mask, episode_reference
 from .model import CTConfig, CompressiveTransformer, ct_visibility_mask
 from .train import save_checkpoint, load_checkpoint, flatten_tree, unflatten_tree, hardware
 
@@ -360,20 +360,8 @@ def per_episode_reference(core:nn.Module, # a core with the interface above
                           chunk:int|None=None, # steps per call (memories then cross call boundaries); None = one call
                           seed:int=0 # seeds the noise that replaces the other episodes
                          ) -> Tensor: # (B, S, d_out): what the core must output if episodes never see each other
-    "Brute force: each episode's outputs from a rerun of its stream (alone) with every other episode's inputs replaced by noise."
-    B, S, d = x.shape
-    if not first[:, 0].all(): raise ValueError("per_episode_reference needs first[:, 0] all True: each stream starts an episode at step 0 from init_state.")
-    ep, g = episode_ids(first), torch.Generator().manual_seed(seed)
-    out = None
-    for b in range(B):
-        for e in ep[b].unique().tolist():
-            mine = ep[b] == e                                                          # (S,) this episode's steps
-            noise = torch.randn(S, d, generator=g).to(x) * x.std() + x.mean()
-            xb = torch.where(mine[:, None], x[b], noise)                               # (S, d) the rest: noise
-            y, _ = run_chunks(core, xb[None], first[b:b + 1], chunk)                   # (1, S, d_out)
-            if out is None: out = y.new_zeros(B, S, y.shape[2])
-            out[b, mine] = y[0, mine]
-    return out
+    "Notebook 02's brute force `episode_reference` for a core: each episode's outputs from a rerun of its stream, run in chunks, with the other episodes' inputs replaced by noise."
+    return episode_reference(lambda xb, f: run_chunks(core, xb, f, chunk)[0], x, first, seed)   # (B, S, d_out)
 
 # %% ../nbs/12_rl.ipynb #5d538794
 def _max_err(a:Tensor, b:Tensor) -> float: return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
@@ -802,6 +790,9 @@ class RLTrainer:
                     bar.set_postfix(**post, refresh=False)
                 if cfg.ckpt_every and self.ckpt_dir is not None and self.update % cfg.ckpt_every == 0: self.save()
                 bar.update(1)
+        except KeyboardInterrupt:                  # stopped by hand: keep what was done (resume from it), then stop as asked
+            if self.ckpt_dir is not None: self.save()
+            raise
         finally:
             bar.close(); torch.set_num_threads(old_threads)
         if self.ckpt_dir is not None: self.save()
@@ -936,6 +927,7 @@ def run_experiment(specs:dict, # name -> the RLConfig fields that differ from `b
     for name, over in specs.items():
         for seed in seeds:
             cfg = asdict(RLConfig(**{**asdict(base), **over, 'seed': seed}))
+            if workers > 1: cfg['threads'] = 1                  # what a worker process runs with, so what it saves and is compared to
             path = None if out_dir is None else Path(out_dir)/f"{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_')}-seed{seed}.json"
             saved = None if path is None else _load_result(path, cfg, delays)
             if saved is not None: results[name, seed] = saved
@@ -952,7 +944,7 @@ def run_experiment(specs:dict, # name -> the RLConfig fields that differ from `b
     else:
         from compressive_tutorial.rl import run_one as worker   # the module's function: a notebook's own copy cannot be pickled by name
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('spawn')) as pool:
-            futs = {pool.submit(worker, name, {**cfg, 'threads': 1}, delays, episodes_per_env, path, deadline): (name, seed)
+            futs = {pool.submit(worker, name, cfg, delays, episodes_per_env, path, deadline): (name, seed)
                     for name, seed, cfg, path in jobs}
             for f, (name, seed) in futs.items(): report(name, seed, f.result())
     res = dict(base=asdict(base), specs=specs, seeds=list(seeds), delays=list(delays), histories={}, by_delay={}, final={},
@@ -966,7 +958,7 @@ def run_experiment(specs:dict, # name -> the RLConfig fields that differ from `b
         res['wall_s'][name], res['fps'][name] = [r['wall_s'] for r in rs], [r['fps'] for r in rs]
     res['total_s'] = sum(sum(w) for w in res['wall_s'].values())          # compute of all the runs, also those loaded
     res['elapsed_s'] = time.perf_counter() - t_all
-    if res['missing']: print(f"{len(res['missing'])} runs not done yet (rerun to continue): {res['missing']}")
+    if res['missing'] and verbose: print(f"{len(res['missing'])} runs not done yet (rerun to continue): {res['missing']}")
     return res
 
 def success_matrix(histories:list # one history per seed
@@ -1010,15 +1002,20 @@ def plot_success_vs_delay(res:dict, # from `run_experiment`, with delays
 
 def experiment_table(res:dict # from `run_experiment`
                     ) -> str:
-    "One line per configuration: final success (mean, min-max over seeds), success per delay, frames/s, wall time."
+    "One line per configuration: final success (mean, min-max over seeds), the curriculum's last D_max, success per delay, frames/s, wall time."
     Ds = res['delays']
+    d_max = {name: [h[-1].get('d_max') if h else None for h in hs] for name, hs in res['histories'].items()}   # per seed; None: no curriculum
+    curr = any(d is not None for ds in d_max.values() for d in ds)
     lines = [f"base config: {res['base']}", f"hardware: {'; '.join(res['hardware'])}; wall time of all runs {res['total_s']:.0f} s "
              f"(this call: {res['elapsed_s']:.0f} s)", '',
-             "success rates: mean over seeds (min-max); 'final' at the training delays, D=... at one fixed delay", '',
-             f"{'':22s}{'final':>18s}" + ''.join(f'{"D=" + str(D):>18s}' for D in Ds) + f"{'frames/s':>10s}{'wall s':>8s}"]
+             "success rates: mean over seeds (min-max); 'final' at the training delays, D=... at one fixed delay"
+             + ("; 'D_max reached': the curriculum's largest delay at the end of training, per seed" if curr else ''), '',
+             f"{'':22s}{'final':>18s}" + (f"{'D_max reached':>15s}" if curr else '') + ''.join(f'{"D=" + str(D):>18s}' for D in Ds)
+             + f"{'frames/s':>10s}{'wall s':>8s}"]
     fmt = lambda v: f"{np.mean(v):.2f} ({np.min(v):.2f}-{np.max(v):.2f})"
     for name in res['histories']:
-        lines.append(f"{name:22s}{fmt(res['final'][name]):>18s}" + ''.join(f"{fmt(res['by_delay'][name][D]):>18s}" for D in Ds)
+        reached = f"{','.join('-' if d is None else str(d) for d in d_max[name]):>15s}" if curr else ''
+        lines.append(f"{name:22s}{fmt(res['final'][name]):>18s}{reached}" + ''.join(f"{fmt(res['by_delay'][name][D]):>18s}" for D in Ds)
                      + f"{np.mean(res['fps'][name]):10,.0f}{np.mean(res['wall_s'][name]):8.0f}")
     return '\n'.join(lines)
 
