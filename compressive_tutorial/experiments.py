@@ -45,10 +45,13 @@ def run_label(cfg:XLConfig) -> str:
     if isinstance(cfg, CTConfig): return f'CT {cfg.compression}/{cfg.compression_loss} n_m={cfg.n_m} n_cm={cfg.n_cm} c={cfg.c}'
     return f'TXL n_m={cfg.n_m}'
 
+_NOT_IN_KEY = ('progress', 'ckpt_every', 'ckpt_minutes')   # TrainConfig fields that change how a run is shown or saved, not its result
+
 def _nondefault(obj) -> dict:
-    "The fields of a config dataclass that differ from their defaults (so a new field with a default keeps old keys valid)."
+    "The fields of a config dataclass that differ from their defaults (so a new field with a default keeps old keys valid), less `_NOT_IN_KEY`."
     out = {}
     for f in fields(obj):
+        if f.name in _NOT_IN_KEY: continue
         default = f.default if f.default is not MISSING else f.default_factory() if f.default_factory is not MISSING else MISSING
         if getattr(obj, f.name) != default: out[f.name] = getattr(obj, f.name)
     return out
@@ -57,8 +60,12 @@ def _run_key(spec:dict) -> str:
     "A short hash of everything that determines a run."
     return hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
+def _run_stem(name:str, key:str) -> str:
+    "A file-name-safe stem for a run: its name (at most 60 characters) and its key."
+    return re.sub(r'[^A-Za-z0-9_.=-]+', '_', name).strip('_')[:60] + '-' + key
+
 def _cache_paths(cache, name:str, key:str) -> tuple:
-    stem = re.sub(r'[^A-Za-z0-9_.=-]+', '_', name).strip('_')[:60] + '-' + key
+    stem = _run_stem(name, key)
     return Path(cache)/f'{stem}.safetensors', Path(cache)/f'{stem}.json'
 
 def _sync(device):

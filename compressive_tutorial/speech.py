@@ -8,9 +8,9 @@ __all__ = ['MU', 'N_CLASSES', 'SAMPLE_RATE', 'FULL_SCALE', 'LJSPEECH_URL', 'LJSP
            'mu_law_encode', 'mu_law_decode', 'read_clip', 'ljspeech_split', 'ljspeech_clips', 'clip_codes',
            'load_ljspeech', 'HeldClips', 'pcm_sha256', 'verify_ljspeech', 'get_ljspeech', 'ljspeech_folder',
            'save_codes', 'load_codes', 'code_entropy', 'WaveNetConfig', 'receptive_field', 'WaveNetState',
-           'dilated_taps', 'GatedResidualLayer', 'WaveNet', 'n_params', 'speech_label', 'model_summary',
-           'summary_table', 'speech_run', 'describe_speech', 'plot_test_curves', 'results_table', 'plot_train_curves',
-           'plot_audio', 'generate', 'paper_scaled_configs', 'gpu_train_config', 'gpu_run']
+           'dilated_taps', 'GatedResidualLayer', 'WaveNet', 'speech_label', 'model_summary', 'summary_table',
+           'speech_run', 'describe_speech', 'plot_test_curves', 'results_table', 'plot_train_curves', 'plot_audio',
+           'generate', 'paper_scaled_configs', 'gpu_train_config', 'gpu_run']
 
 # %% ../nbs/11_speech.ipynb #4cd5649e
 import functools, hashlib, json, re, shutil, tarfile, time
@@ -25,8 +25,10 @@ from tqdm import tqdm
 from .data import SPLITS, Corpus, StreamLoader, data_cache_dir, find_shared_data, download_file, sha256_file
 from .xl import TransformerXL, lm_loss
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
-from .train import TrainConfig, Trainer, evaluate, hardware, load_checkpoint, sample, seed_everything
-from .experiments import equal_cost_pair, run_label, _nondefault, _run_key, _sync
+from .train import (
+    TrainConfig, Trainer, compression_parameters, evaluate, hardware, load_weights, sample, seed_everything)
+from .experiments import equal_cost_pair, run_label, _nondefault, _run_key, _run_stem, _sync
+from .cli import n_params
 
 # %% ../nbs/11_speech.ipynb #48a9e0b7
 MU = 255                  # µ of 8-bit µ-law: codes 0..µ, so 256 classes
@@ -412,10 +414,6 @@ MODEL_KINDS['wavenet'] = ModelKind(WaveNetConfig, WaveNet, 'WaveNet')     # so b
 # %% ../nbs/11_speech.ipynb #70fe944c
 KINDS = ('txl', 'ct', 'wavenet')   # the three models of the comparison, in the order tables and plots list them
 
-def n_params(model:nn.Module) -> int:
-    "Number of parameters of a model."
-    return sum(p.numel() for p in model.parameters())
-
 def speech_label(kind:str, cfg) -> str:
     "A short name of a model: 'TXL n_m=256', 'CT conv/attention n_m=128 n_cm=128 c=4' or 'WaveNet 20 layers, R=2047'."
     if kind == 'wavenet': return f'WaveNet {cfg.n_layers} layers, R={cfg.receptive_field}'
@@ -427,7 +425,7 @@ def model_summary(kind:str, # 'txl', 'ct' or 'wavenet'
                  ) -> dict: # name, params, compression params, reach (samples and ms), attention cost
     "What a model of the comparison is: its size, and how far back its output can depend on the input."
     model = build_model(kind, cfg)
-    comp = sum(p.numel() for p in getattr(model, 'compression_parameters', lambda: [])())
+    comp = sum(p.numel() for p in compression_parameters(model))
     if kind == 'wavenet': reach, cost = cfg.receptive_field - 1, None
     else: s = memory_summary(cfg); reach, cost = s['temporal_range'], s['attention_cost']
     return dict(kind=kind, name=speech_label(kind, cfg), params=n_params(model), compression_params=comp,
@@ -483,19 +481,18 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
                 eval_every=eval_every, eval_streams=eval_streams, eval_chunks=eval_chunks, seed=seed, device=dev.type,
                 data={s: [len(data[s]), int(data[s].n_docs)] for s in SPLITS})
     key = _run_key(spec)
-    run_dir = None if folder is None else Path(folder)/(re.sub(r'[^A-Za-z0-9_.=-]+', '_', name).strip('_')[:60] + '-' + key)
+    run_dir = None if folder is None else Path(folder)/_run_stem(name, key)
     ckpt = None if run_dir is None else run_dir/'last.safetensors'
     seed_everything(seed)                                                           # 1. seed, build
     model = build_model(kind, cfg).to(dev)
     if run_dir is not None and (run_dir/'result.json').is_file():                  # 0. done before: reload
         res = json.loads((run_dir/'result.json').read_text())
-        tensors, _ = load_checkpoint(ckpt)
-        model.load_state_dict({k[len('model.'):]: v for k, v in tensors.items() if k.startswith('model.')})
+        load_weights(ckpt, model)
         res.update(model=model.eval(), cached=True)
         if verbose: print(describe_speech(res))
         return res
-    trainer = Trainer(model, train_dl, None, train_cfg)                             # 2. train (or continue) ...
-    if ckpt is not None and ckpt.is_file(): trainer = Trainer.resume(ckpt, model, train_dl, None, train_cfg)
+    if ckpt is not None and ckpt.is_file(): trainer = Trainer.resume(ckpt, model, train_dl, None, train_cfg, ckpt_dir=run_dir)   # 2. continue ...
+    else: trainer = Trainer(model, train_dl, None, train_cfg, ckpt_dir=run_dir)    # ... or train (run_dir locked while it fits)
     tests = lambda: [h for h in trainer.history if 'test_bps' in h]
     points = sorted({*range(eval_every, steps, eval_every), steps})
     t_call = time.perf_counter()
@@ -506,7 +503,7 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
         t0 = time.perf_counter(); ev = evaluate(model, eval_dl['test'], max_batches=eval_chunks); _sync(dev)   # 3. ... and measure
         trainer.history.append(dict(step=p, test_loss=ev['loss'], test_bps=ev['bpb'], test_samples=ev['tokens'],
                                     train_s=train_s, eval_s=time.perf_counter() - t0))
-        if ckpt is not None: run_dir.mkdir(parents=True, exist_ok=True); trainer.save(ckpt)   # 4. nothing lost from here
+        if run_dir is not None: trainer.save()                                      # 4. nothing lost from here
         if time_budget_s is not None and time.perf_counter() - t_call >= time_budget_s and p < steps:
             if verbose: print(f'{name}: stopped at step {p} of {steps} (time budget {time_budget_s:.0f} s); call again to continue')
             return dict(name=name, kind=kind, done=False, step=p, steps=steps, curve=trainer.history, model=model)
@@ -623,14 +620,14 @@ def gpu_train_config(steps:int=GPU_STEPS) -> TrainConfig:
 
 def gpu_run(kind:str, # 'txl', 'ct' or 'wavenet'
             seed:int=0,
-            data:dict|None=None, # µ-law corpora (None: the shared clips, `load_ljspeech()`; in Colab pass `load_ljspeech(get_ljspeech())`)
+            data:dict|str|Path|None=None, # µ-law corpora, or a `save_codes` .npz file (None: the shared clips, `load_ljspeech()`; Colab: `load_ljspeech(get_ljspeech())`)
             steps:int=GPU_STEPS,
             time_budget_s:float|None=480, # stop after the first evaluation past this (None: run to the end)
             folder=None, # where runs are kept (None: data_cache_dir()/'runs'/'11_speech'/'gpu')
             device='cuda',
            ) -> dict: # the result of `speech_run` (done=False: call again to continue)
     "One run of the paper-scaled comparison, resumable: call it again with the same arguments until it returns done=True."
-    data = load_ljspeech() if data is None else data
+    data = load_ljspeech() if data is None else load_codes(data) if isinstance(data, (str, Path)) else data
     folder = data_cache_dir()/'runs'/'11_speech'/'gpu' if folder is None else folder
     return speech_run(kind, paper_scaled_configs()[kind], gpu_train_config(steps), steps=steps, data=data, batch_size=8,
                       chunk=3840, eval_every=250, eval_streams=16, eval_chunks=8, seed=seed, device=device,
