@@ -222,21 +222,25 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     trainer = (Trainer.resume(ckpt, model, train_dl, valid_dl, tcfg, ckpt_dir=folder) if ckpt.exists()
                else Trainer(model, train_dl, valid_dl, tcfg, ckpt_dir=folder))
     start, t0 = trainer.step, time.perf_counter()
+    row = dict(session=os.urandom(6).hex(), start_step=start, hardware=hardware(dev), date=time.strftime('%Y-%m-%d %H:%M'))
     if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats(dev)
     while trainer.step < preset.steps:                                  # chunks of ckpt_every; fit saves after each
-        trainer.fit(min(preset.steps, (trainer.step // preset.ckpt_every + 1) * preset.ckpt_every))
+        try: trainer.fit(min(preset.steps, (trainer.step // preset.ckpt_every + 1) * preset.ckpt_every))
+        finally:                                                        # this session's line, after every chunk: a kill loses none
+            _record_session(folder, {**row, 'end_step': trainer.step, 'wall_s': round(time.perf_counter() - t0, 2),
+                                     'peak_gpu_gib': torch.cuda.max_memory_allocated(dev) / GIB if dev.type == 'cuda' else None})
         if max_minutes is not None and time.perf_counter() - t0 >= 60 * max_minutes: break
-    wall = time.perf_counter() - t0
-    if trainer.step == start: return trainer                           # nothing left to train: no session to record
-    row = dict(start_step=start, end_step=trainer.step, wall_s=round(wall, 2), hardware=hardware(dev),
-               date=time.strftime('%Y-%m-%d %H:%M'), peak_gpu_gib=torch.cuda.max_memory_allocated(dev) / GIB if dev.type == 'cuda' else None)
-    with open(folder/'sessions.jsonl', 'a') as f: f.write(json.dumps(row) + '\n')
     return trainer
 
 def sessions(folder) -> list:
-    "The sessions of a run (one dict per `train_protocol` call): steps, wall time, hardware, peak GPU memory."
+    "The sessions of a run (one dict per `train_protocol` call that trained): steps, wall time, hardware, peak GPU memory."
     f = Path(folder)/'sessions.jsonl'
     return [json.loads(l) for l in f.read_text().splitlines() if l.strip()] if f.exists() else []
+
+def _record_session(folder:Path, row:dict):
+    "Write `row` into the run's sessions.jsonl, replacing the line of the same session; atomically."
+    rows = [r for r in sessions(folder) if r.get('session') != row['session']] + [row]
+    tmp = folder/'.sessions.jsonl.tmp'; tmp.write_text(''.join(json.dumps(r) + '\n' for r in rows)); tmp.replace(folder/'sessions.jsonl')
 
 # %% ../nbs/13_enwik8.ipynb #4d01a1e7
 def sweep_sizes(preset:Enwik8Preset) -> list:
