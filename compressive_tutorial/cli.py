@@ -18,9 +18,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.distributed as dist
-from compressive_tutorial.data import (
-    SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, download_file, encode_documents, load_books, load_enwik8,
-    read_text)
+from .data import (
+    SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, download_file, encode_documents, load_books, load_enwik8, read_text)
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
 from .train import (

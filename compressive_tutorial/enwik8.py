@@ -215,8 +215,9 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     while trainer.step < preset.steps:                                  # chunks of ckpt_every; fit saves after each
         try: trainer.fit(min(preset.steps, (trainer.step // preset.ckpt_every + 1) * preset.ckpt_every))
         finally:                                                        # this session's line, after every chunk: a kill loses none
-            _record_session(folder, {**row, 'end_step': trainer.step, 'wall_s': round(time.perf_counter() - t0, 2),
-                                     'peak_gpu_gib': torch.cuda.max_memory_allocated(dev) / GIB if dev.type == 'cuda' else None})
+            if trainer.step > start:
+                _record_session(folder, {**row, 'end_step': trainer.step, 'wall_s': round(time.perf_counter() - t0, 2),
+                                         'peak_gpu_gib': torch.cuda.max_memory_allocated(dev) / GIB if dev.type == 'cuda' else None})
         if max_minutes is not None and time.perf_counter() - t0 >= 60 * max_minutes: break
     return trainer
 
