@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 from .data import (
-    SPLITS, ByteTokenizer, Corpus, StreamLoader, download_file, encode_documents, load_books, load_enwik8, read_text)
+    SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, download_file, encode_documents, load_books, load_enwik8, read_text)
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
 from .train import (
@@ -261,12 +261,14 @@ def split_bytes(tokens:np.ndarray, # (N,) all bytes of one text
     return {k: Corpus(v, np.zeros(1, dtype=np.int64), [f'{name}/{k}']) for k, v in parts.items()}
 
 def load_corpus(corpus:str, # 'enwik8', 'books', a folder of .txt books, or a .txt file
-                download=download_file, # how Enwik8 is fetched when it is not cached (tests pass a fake)
+                download=download_file, # how Enwik8 (or the books, where not shared) is fetched when not cached (tests pass a fake)
                 cache=None, # Enwik8's cache folder (None: `data_cache_dir()`)
+                **enwik8_kw, # other `load_enwik8` arguments (a fixture's size, md5, n_valid, n_test)
                ) -> dict: # {'train', 'valid', 'test'}: byte-level `Corpus` splits
     "The three byte-level splits of a corpus, each a Corpus with its document starts."
-    if corpus == 'enwik8': return load_enwik8(cache, download=download)
-    if corpus == 'books': path, docs = 'the shared books', load_books()   # None: the data module finds them, or says where it looked
+    if corpus == 'enwik8': return load_enwik8(cache, download=download, **enwik8_kw)
+    if enwik8_kw: raise TypeError(f"{sorted(enwik8_kw)} are arguments of load_enwik8: pass them only with corpus='enwik8'")
+    if corpus == 'books': path, docs = 'the books', load_books(books_folder(download))   # shared, else fetched (notebook 00)
     else:
         path = Path(corpus).expanduser()
         if path.is_file(): return split_bytes(ByteTokenizer().encode_array(read_text(path)[0]), path.name)

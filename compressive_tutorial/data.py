@@ -6,7 +6,7 @@
 __all__ = ['IGNORE_INDEX', 'ENWIK8_URL', 'ENWIK8_SIZE', 'ENWIK8_MD5', 'SPLITS', 'WIKITEXT103_PARQUET', 'PG19_PARQUET',
            'PG19_WORDS', 'BOOKS_COLUMNS', 'BOOKS_SOURCES', 'GITENBERG_FILES', 'NLTK_GUTENBERG_ZIP', 'DEBIAN_MIRRORS',
            'BIBLE_DEBS', 'ByteTokenizer', 'Document', 'Corpus', 'encode_documents', 'repo_root', 'data_cache_dir',
-           'find_shared_data', 'file_digest', 'md5_file', 'verify_file', 'download_file', 'get_enwik8', 'load_enwik8',
+           'find_shared_data', 'file_digest', 'verify_file', 'download_file', 'get_enwik8', 'load_enwik8',
            'strip_gutenberg', 'read_text', 'hash_split', 'read_split_table', 'load_books', 'count_words', 'split_table',
            'load_wikitext103', 'load_pg19', 'SubwordTokenizer', 'train_sentencepiece', 'word_perplexity', 'Batch',
            'StreamLoader', 'plot_stream_layout', 'fixture_download', 'books_sources_tsv', 'book_source', 'sha256_file',
@@ -175,8 +175,6 @@ def file_digest(path, # the file to hash
     with open(path, 'rb') as f:
         while b := f.read(chunk): h.update(b)
     return h.hexdigest()
-
-def md5_file(path) -> str: return file_digest(path, 'md5')   # Enwik8's published checksum is an md5
 
 def verify_file(path, # the file to check
                 size:int, # expected size in bytes

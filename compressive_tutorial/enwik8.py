@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['ENWIK8_PRESETS', 'GPUS', 'PRESET_GPU', 'GIB', 'protocol_train_config', 'Enwik8Preset', 'predict_step', 'measure_step',
-           'estimate_cost', 'runs_root', 'protocol_data', 'make_enwik8_fixture', 'train_protocol', 'sessions',
-           'sweep_sizes', 'evaluate_protocol', 'plot_protocol', 'pick_preset']
+           'estimate_cost', 'runs_root', 'make_enwik8_fixture', 'train_protocol', 'sessions', 'sweep_sizes',
+           'evaluate_protocol', 'plot_protocol', 'pick_preset']
 
 # %% ../nbs/13_enwik8.ipynb #ec584be8
 import hashlib, json, os, time, zipfile
@@ -13,13 +13,11 @@ from dataclasses import dataclass, asdict, replace
 from pathlib import Path
 import numpy as np
 import torch
-from compressive_tutorial.data import (
-    ENWIK8_URL, Batch, StreamLoader, books_folder, data_cache_dir, download_file, encode_documents, fixture_download,
-    load_books, load_enwik8)
+from .data import ENWIK8_URL, Batch, StreamLoader, data_cache_dir, fixture_download
 from .model import CTConfig, build_model, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
 from .analysis import eval_across_memory_sizes, plot_memory_sweep
-from .cli import paper_schedule
+from .cli import load_corpus, n_params, paper_schedule
 
 # %% ../nbs/13_enwik8.ipynb #302c478c
 def protocol_train_config(steps:int, # iterations of the whole run; the paper's schedule is scaled to it
@@ -132,8 +130,8 @@ def measure_step(preset:Enwik8Preset, # the shapes to measure
     "Count one training iteration's FLOPs and saved activation bytes on the CPU, for 1 and 2 layers and 1 and 2 streams."
     cfg = replace(preset.model_config(), dropout=0.0)
     f = {(l, B): _one_step(replace(cfg, n_layers=l), B) for l in (1, 2) for B in (1, 2)}
-    with torch.device('meta'): n_params = sum(p.numel() for p in build_model('ct', preset.model_config()).parameters())
-    return dict(flops=_linear_fit({k: v[0] for k, v in f.items()}), act=_linear_fit({k: v[1] for k, v in f.items()}), params=n_params)
+    with torch.device('meta'): model = build_model('ct', preset.model_config())   # shapes only: nothing allocated
+    return dict(flops=_linear_fit({k: v[0] for k, v in f.items()}), act=_linear_fit({k: v[1] for k, v in f.items()}), params=n_params(model))
 
 def estimate_cost(preset:Enwik8Preset, # the run
                   m:dict, # `measure_step(preset)`
@@ -160,16 +158,6 @@ def runs_root() -> Path:
     if drive.is_dir(): return drive/'compressive-tutorial'/'runs'
     return data_cache_dir()/'runs'
 
-def protocol_data(corpus:str='enwik8', # 'enwik8' (downloaded, 90M/5M/5M) or 'books' (the stand-in, split by book)
-                  download=download_file, # `download(url, dest)`; tests pass a fixture
-                  folder=None, # Enwik8's cache folder (None: `data_cache_dir()`)
-                  **enwik8_kw, # other `load_enwik8` arguments (a fixture's size, md5, n_valid, n_test)
-                 ) -> dict: # {'train', 'valid', 'test'}: byte-level Corpus
-    "The three byte-level splits of the protocol's corpus."
-    if corpus == 'enwik8': return load_enwik8(folder, download=download, **enwik8_kw)
-    if corpus == 'books': return {k: encode_documents(v) for k, v in load_books(books_folder(download)).items()}
-    raise ValueError(f"corpus={corpus!r}: use 'enwik8' or 'books'")
-
 def make_enwik8_fixture(folder, # where the zip goes
                         n_bytes:int=40_000, # size of the fake Enwik8
                         seed:int=0,
@@ -195,7 +183,7 @@ def _spec(preset:Enwik8Preset, data:dict) -> dict:
 
 def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): created, or resumed from
                    preset:Enwik8Preset, # the run
-                   data:dict, # {'train', 'valid', ...}: byte-level Corpus (`protocol_data`)
+                   data:dict, # {'train', 'valid', ...}: byte-level Corpus (`load_corpus`)
                    device=None, # None: CUDA when available, else CPU
                    max_minutes:float|None=None, # stop at the first checkpoint after this many minutes (None: train to the end)
                    progress:bool=True, # a tqdm bar with loss, bits per byte and tokens/s
@@ -222,21 +210,26 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     trainer = (Trainer.resume(ckpt, model, train_dl, valid_dl, tcfg, ckpt_dir=folder) if ckpt.exists()
                else Trainer(model, train_dl, valid_dl, tcfg, ckpt_dir=folder))
     start, t0 = trainer.step, time.perf_counter()
+    row = dict(session=os.urandom(6).hex(), start_step=start, hardware=hardware(dev), date=time.strftime('%Y-%m-%d %H:%M'))
     if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats(dev)
     while trainer.step < preset.steps:                                  # chunks of ckpt_every; fit saves after each
-        trainer.fit(min(preset.steps, (trainer.step // preset.ckpt_every + 1) * preset.ckpt_every))
+        try: trainer.fit(min(preset.steps, (trainer.step // preset.ckpt_every + 1) * preset.ckpt_every))
+        finally:                                                        # this session's line, after every chunk: a kill loses none
+            if trainer.step > start:
+                _record_session(folder, {**row, 'end_step': trainer.step, 'wall_s': round(time.perf_counter() - t0, 2),
+                                         'peak_gpu_gib': torch.cuda.max_memory_allocated(dev) / GIB if dev.type == 'cuda' else None})
         if max_minutes is not None and time.perf_counter() - t0 >= 60 * max_minutes: break
-    wall = time.perf_counter() - t0
-    if trainer.step == start: return trainer                           # nothing left to train: no session to record
-    row = dict(start_step=start, end_step=trainer.step, wall_s=round(wall, 2), hardware=hardware(dev),
-               date=time.strftime('%Y-%m-%d %H:%M'), peak_gpu_gib=torch.cuda.max_memory_allocated(dev) / GIB if dev.type == 'cuda' else None)
-    with open(folder/'sessions.jsonl', 'a') as f: f.write(json.dumps(row) + '\n')
     return trainer
 
 def sessions(folder) -> list:
-    "The sessions of a run (one dict per `train_protocol` call): steps, wall time, hardware, peak GPU memory."
+    "The sessions of a run (one dict per `train_protocol` call that trained): steps, wall time, hardware, peak GPU memory."
     f = Path(folder)/'sessions.jsonl'
     return [json.loads(l) for l in f.read_text().splitlines() if l.strip()] if f.exists() else []
+
+def _record_session(folder:Path, row:dict):
+    "Write `row` into the run's sessions.jsonl, replacing the line of the same session; atomically."
+    rows = [r for r in sessions(folder) if r.get('session') != row['session']] + [row]
+    tmp = folder/'.sessions.jsonl.tmp'; tmp.write_text(''.join(json.dumps(r) + '\n' for r in rows)); tmp.replace(folder/'sessions.jsonl')
 
 # %% ../nbs/13_enwik8.ipynb #4d01a1e7
 def sweep_sizes(preset:Enwik8Preset) -> list:

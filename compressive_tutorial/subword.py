@@ -20,11 +20,9 @@ def evaluate_words(model, # a model of the package's interface
                    corpus, # one whole split (a token `Corpus`)
                    n_words:int, # the words of that split (`count_words`)
                    batch_size:int=16, # streams
-                   n_s:int|None=None, # window (None: the model's)
                   ) -> dict: # evaluate's dict: loss (nats per token), tokens, nats, word_ppl; plus words, tokens_per_word
     "Word-level perplexity (§4.2) of a whole split: every token scored once, the summed loss divided by its words."
-    n_s = n_s or model.cfg.n_s
-    ev = evaluate(model, StreamLoader(corpus, batch_size, n_s, tail='pad'), n_words=n_words)
+    ev = evaluate(model, StreamLoader(corpus, batch_size, model.cfg.n_s, tail='pad'), n_words=n_words)
     return {**ev, 'words': n_words, 'tokens_per_word': ev['tokens'] / n_words}
 
 # %% ../nbs/14_books_subword.ipynb #93146199
