@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer
+from .losses import CompressionLoss
 from .train import hardware
 
 # %% ../nbs/15_performance.ipynb #b1500009
@@ -43,9 +44,9 @@ class BenchConfig:
 
     def ct(self, **kw) -> CTConfig:
         "Our Compressive Transformer at these sizes: conv f_c trained by the attention-reconstruction loss."
-        return CTConfig(vocab_size=self.vocab_size, d_model=self.d_model, n_heads=self.n_heads, n_layers=self.n_layers,
-                        d_ff=self.d_ff, n_s=self.n_s, n_m=self.n_m, n_cm=self.n_cm, c=self.c,
-                        compression='conv', compression_loss='attention', **kw)
+        return CTConfig(**{**dict(vocab_size=self.vocab_size, d_model=self.d_model, n_heads=self.n_heads, n_layers=self.n_layers,
+                                  d_ff=self.d_ff, n_s=self.n_s, n_m=self.n_m, n_cm=self.n_cm, c=self.c,
+                                  compression='conv', compression_loss='attention'), **kw})   # kw may override any of them
 
     def txl(self, **kw) -> XLConfig:
         "Our Transformer-XL with the same attention span per window as the CT: memory n_m + n_cm."
@@ -88,20 +89,31 @@ class Runner:
     def train_step(self, x:Tensor, y:Tensor): raise NotImplementedError
     def infer_step(self, x:Tensor): raise NotImplementedError
     def reset(self): "Forget the memories (a new stream)."
+    def step(self, phase:str, x:Tensor, y:Tensor):
+        "One window of `phase`: 'train' (with targets y) or 'infer'."
+        self.train_step(x, y) if phase == 'train' else self.infer_step(x)
+    def warm_up(self, phase:str, xy, cfg:BenchConfig):
+        "From a fresh stream, `cfg.warmup * warmup_mult` windows xy(i) of `phase`: memories full (and, if compiled, compiled)."
+        self.reset()
+        with _autocast(cfg):
+            for i in range(cfg.warmup * self.warmup_mult): self.step(phase, *xy(i))
 
 class OursRunner(Runner):
     "Our TransformerXL or CompressiveTransformer: the task loss trains the model, the reconstruction loss only f_c."
-    def __init__(self, cfg:BenchConfig, kind:str='ct', compiled:bool=False, **model_kw):
+    def __init__(self, cfg:BenchConfig, kind:str='ct', compiled:bool=False, aux:bool=True, **model_kw):
         self.cfg, self.kind = cfg, kind
-        self.name = f'ours-{kind}' + ('-compiled' if compiled else '')
+        self.name = f'ours-{kind}' + ('-compiled' if compiled else '') + ('' if aux else '-noaux')
         m = CompressiveTransformer(cfg.ct(**model_kw)) if kind == 'ct' else TransformerXL(cfg.txl(**model_kw))
         self.model = m.to(cfg.device)
+        if not aux:                                         # a measurement, not a configuration: the same model and f_c,
+            self.model.compression_loss = CompressionLoss('none')   # but no Algorithm 2 (so f_c is never trained)
         if compiled:                                        # torch.compile each layer (the memory bookkeeping stays eager)
             for layer in self.model.layers: layer.compile()
             self.warmup_mult = 3                            # one graph per memory length while the memories fill, then steady
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
-        self.computes = ('relative attention (a)+(b)+(c)+(d) over [cm; m; window], K/V weight gradients, conv f_c, '
-                         'attention-reconstruction loss (Algorithm 2) into f_c only' if kind == 'ct' else
+        self.computes = ('relative attention (a)+(b)+(c)+(d) over [cm; m; window], K/V weight gradients, conv f_c, ' +
+                         ('attention-reconstruction loss (Algorithm 2) into f_c only' if aux else 'NO reconstruction loss')
+                         if kind == 'ct' else
                          f'relative attention (a)+(b)+(c)+(d) over a memory of {cfg.n_m + cfg.n_cm} (same span as the CT)')
         self.reset()
     def reset(self): self.state = None
@@ -198,6 +210,7 @@ class LabmlRunner(Runner):
 
 RUNNERS = {'ours-ct': lambda cfg: OursRunner(cfg, 'ct'), 'ours-txl': lambda cfg: OursRunner(cfg, 'txl'),
            'ours-ct-compiled': lambda cfg: OursRunner(cfg, 'ct', compiled=True),
+           'ours-ct-noaux': lambda cfg: OursRunner(cfg, 'ct', aux=False),   # what Algorithm 2 costs: the CT without it
            'lucidrains-ct': LucidrainsRunner, 'labml-ct': LabmlRunner}
 
 def make_runners(cfg:BenchConfig) -> tuple: # ({name: Runner}, {name: why it was skipped})
@@ -207,7 +220,9 @@ def make_runners(cfg:BenchConfig) -> tuple: # ({name: Runner}, {name: why it was
         if name not in RUNNERS: raise ValueError(f"unknown implementation {name!r}: choose from {list(RUNNERS)}")
         torch.manual_seed(0)
         try: runners[name] = RUNNERS[name](cfg)
-        except ImportError as e: skipped[name] = f"not installed ({e.name}): pip install -e '.[bench]'"
+        except ImportError as e:                            # labml-nn is installed without its declared extras (settings.ini)
+            how = "pip install --no-deps labml-nn==0.5.1" if (e.name or '').startswith('labml') else "pip install -e '.[bench]'"
+            skipped[name] = f"not installed ({e.name}): {how}"
     return runners, skipped
 
 # %% ../nbs/15_performance.ipynb #b1500015
@@ -243,7 +258,8 @@ def counted_flops(runner:Runner, cfg:BenchConfig, x:Tensor, y:Tensor) -> tuple:
              aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(sdpa_backward_flop), aten.baddbmm_: raw(baddbmm_flop)}
     out = []
     for train in (False, True):                           # inference first: a training step would make the K/V cache stale;
-                                                          # eager: a compiled model does the same matmuls, and the counter sees them
+                                                          # eager, so that the counter sees every matmul (a compiled model does the
+                                                          # same ones, but rebuilds Q = W_R R in every inference window)
         with FlopCounterMode(display=False, custom_mapping=extra) as fc, _autocast(cfg), torch.compiler.set_stance('force_eager'):
             runner.train_step(x, y) if train else runner.infer_step(x)
         out.append(fc.get_total_flops() / x.numel())
@@ -281,10 +297,7 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
     names = list(runners)
     for phase in ('train', 'infer'):
         for n, r in list(runners.items()):                 # warm-up: fill memories (and let CUDA pick its kernels, or compile)
-            r.reset()
-            try:
-                with _autocast(cfg):
-                    for i in range(cfg.warmup * r.warmup_mult): r.train_step(*xy(i)) if phase == 'train' else r.infer_step(xy(i)[0])
+            try: r.warm_up(phase, xy, cfg)
             except Exception as e:                         # one implementation that cannot run here must not cost the others' run
                 skipped[n] = f"failed in the {phase} warm-up: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
                 del runners[n], res[n]; names.remove(n)
@@ -293,7 +306,7 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
             for n in names[rep % len(names):] + names[:rep % len(names)]:    # rotate the order every repetition
                 r = runners[n]
                 def step(i, r=r):
-                    with _autocast(cfg): r.train_step(*xy(i)) if phase == 'train' else r.infer_step(xy(i)[0])
+                    with _autocast(cfg): r.step(phase, *xy(i))
                 res[n][phase].append(cfg.steps * cfg.batch_size * cfg.n_s / _time(step, cfg.steps, dev))
             if progress: print(f"{phase} rep {rep + 1}/{cfg.reps}: " + '  '.join(f"{n} {res[n][phase][-1]:,.0f}" for n in names), flush=True)
     for n, r in runners.items():
@@ -311,10 +324,10 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
 def cuda_peak_mib(runner:Runner, cfg:BenchConfig, xy) -> tuple:
     "(training, inference) peak allocated CUDA memory in MiB over a few steps, from the allocator's statistics."
     out = []
-    for train in (True, False):
+    for phase in ('train', 'infer'):
         gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
         with _autocast(cfg):
-            for i in range(2): runner.train_step(*xy(i)) if train else runner.infer_step(xy(i)[0])
+            for i in range(2): runner.step(phase, *xy(i))
         torch.cuda.synchronize()
         out.append(torch.cuda.max_memory_allocated() / 2**20)
     return tuple(out)
@@ -335,9 +348,10 @@ def _peak_child(name:str, cfg_json:str):
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s))
     out = []
     for phase in ('infer', 'train'):
+        if r.warmup_mult > 1: r.warm_up(phase, lambda i: (x, x), cfg)   # a compiled model compiles first: not the model's memory
         r.reset(); gc.collect()
         base = _rss_mib(); _reset_peak()
-        for _ in range(cfg.warmup): r.train_step(x, x) if phase == 'train' else r.infer_step(x)
+        for _ in range(cfg.warmup): r.step(phase, x, x)
         out.append(_rss_mib('VmHWM') - base)
     print(json.dumps([out[1], out[0]]))
 
@@ -400,11 +414,10 @@ def profile_table(cfg:BenchConfig, # sizes and device
     if cfg.threads: torch.set_num_threads(cfg.threads)
     r = make_runners(replace(cfg, impls=(impl,)))[0][impl]
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s), device=cfg.device)
-    step = (lambda: r.train_step(x, x)) if phase == 'train' else (lambda: r.infer_step(x))
     cuda = cfg.device.startswith('cuda')
+    r.warm_up(phase, lambda i: (x, x), cfg)
     with _autocast(cfg):
-        for _ in range(cfg.warmup): step()
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            for _ in range(steps): step()
+            for _ in range(steps): r.step(phase, x, x)
             _sync(cfg.device)
     return prof.key_averages().table(sort_by='self_cuda_time_total' if cuda else 'self_cpu_time_total', row_limit=rows)

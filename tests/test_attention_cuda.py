@@ -85,8 +85,10 @@ def test_reused_projections_equal_recomputed():
 
 def test_gpu_benchmark_smoke():
     "The GPU setting of notebook 15 in short form: one repetition of one window per implementation, memory and MFU included."
-    cfg = replace(BENCH_GPU, reps=1, steps=1, impls=('ours-ct', 'ours-txl', 'lucidrains-ct'))
+    cfg = replace(BENCH_GPU, reps=1, steps=1, impls=('ours-ct', 'ours-ct-compiled', 'ours-txl', 'lucidrains-ct'))
     r = run_benchmark(cfg, progress=False)
+    assert {'ours-ct', 'ours-ct-compiled', 'ours-txl'} <= set(r['results']), r['skipped']   # ours must run, not be skipped
+    assert not any(why.startswith('failed') for why in r['skipped'].values()), r['skipped']    # a peer may be absent, not broken
     for v in r['results'].values():
         assert v['train_tps'] > 0 and v['infer_tps'] > 0 and len(v['peak_mib']) == 2
     print(report(r))
