@@ -39,6 +39,7 @@ COLAB = {'torch', 'torchvision', 'torchaudio', 'numpy', 'scipy', 'pandas', 'matp
 LOADERS = {'find_shared_data', 'books_folder', 'fetch_books', 'load_books', 'books_corpora', 'load_corpus',
            'load_enwik8', 'get_enwik8', 'protocol_data', 'ljspeech_folder', 'get_ljspeech', 'load_ljspeech'}
 PACKAGE = 'compressive_tutorial'
+TIMEOUT = 300                    # seconds one notebook's data path may take
 
 
 # ------------------------------------------------------------------------------------------------ imports
@@ -193,6 +194,19 @@ def make_fixtures(folder:Path, shared_books:Path) -> Path:
     return manifest
 
 
+def set_defaults(f, **values):
+    "Change the default values of some of `f`'s arguments, positional-or-keyword (`__defaults__`) or keyword-only (`__kwdefaults__`)."
+    code = f.__code__
+    names = code.co_varnames[:code.co_argcount]
+    defaults = list(f.__defaults__ or ()); first = len(names) - len(defaults)
+    kw = dict(f.__kwdefaults__ or {})
+    for k, v in values.items():
+        if k in kw: kw[k] = v
+        elif k in names and names.index(k) >= first: defaults[names.index(k) - first] = v
+        else: raise KeyError(f'{f.__qualname__} has no argument {k!r} with a default value')
+    f.__defaults__, f.__kwdefaults__ = tuple(defaults) or None, kw or None
+
+
 def install_fixtures(manifest:dict):
     "In this process: no shared data, and the network replaced by the local files of `make_fixtures`."
     import shutil, urllib.error, urllib.request
@@ -205,18 +219,10 @@ def install_fixtures(manifest:dict):
         if getattr(m, '__name__', '').startswith(PACKAGE) and hasattr(m, 'find_shared_data'): m.find_shared_data = no_shared
     D._dump_debian = lambda src, dest, download, work, debs: shutil.copyfile(manifest['bible'], dest)
     for f in (D.get_enwik8, D.load_enwik8):                     # the checks the real file gets, with the fake's numbers
-        names = f.__code__.co_varnames[:f.__code__.co_argcount]
-        defaults = list(f.__defaults__); first = len(names) - len(defaults)
-        defaults[names.index('size') - first], defaults[names.index('md5') - first] = manifest['enwik8_size'], manifest['enwik8_md5']
-        f.__defaults__ = tuple(defaults)
-
+        set_defaults(f, size=manifest['enwik8_size'], md5=manifest['enwik8_md5'])
     if manifest.get('ljspeech'):                                # the full corpus's checks, with the fixture's numbers
         import compressive_tutorial.speech as SP
-        f = SP.get_ljspeech
-        names = f.__code__.co_varnames[:f.__code__.co_argcount]
-        defaults = list(f.__defaults__); first = len(names) - len(defaults)
-        for k, v in manifest['ljspeech'].items(): defaults[names.index(k) - first] = v
-        f.__defaults__ = tuple(defaults)
+        set_defaults(SP.get_ljspeech, **manifest['ljspeech'])
 
     class Response(io.BytesIO):
         def __init__(self, data): super().__init__(data); self.headers = {'Content-Length': str(len(data))}
@@ -258,8 +264,9 @@ def check_data(nb:Path, manifest:Path) -> tuple:
         env = {k: v for k, v in os.environ.items() if k not in ('CT_DATA_DIR', 'IN_TEST')}
         env.update(CT_CACHE_DIR=str(Path(tmp) / 'cache'), CHECK_COLAB_FIXTURES=str(manifest), MPLBACKEND='Agg',
                    PYTHONPATH=str(ROOT) + os.pathsep + env.get('PYTHONPATH', ''))
-        r = subprocess.run([sys.executable, __file__, '--child', str(nb)], cwd=tmp, env=env, capture_output=True, text=True,
-                           timeout=300)
+        try: r = subprocess.run([sys.executable, __file__, '--child', str(nb)], cwd=tmp, env=env, capture_output=True,
+                                text=True, timeout=TIMEOUT)
+        except subprocess.TimeoutExpired: return f'its data path did not finish in {TIMEOUT} s', []
     last = (r.stdout.strip().splitlines() or [''])[-1]
     try: res = json.loads(last)
     except json.JSONDecodeError: return f'the check crashed: {r.stderr.strip()[-600:]}', []
