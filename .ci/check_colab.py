@@ -37,7 +37,7 @@ COLAB = {'torch', 'torchvision', 'torchaudio', 'numpy', 'scipy', 'pandas', 'matp
          'PIL', 'requests'}
 # Functions that read the course's data: a top-level call to one of these is a notebook's data path.
 LOADERS = {'find_shared_data', 'books_folder', 'fetch_books', 'load_books', 'books_corpora', 'load_corpus',
-           'load_enwik8', 'get_enwik8', 'protocol_data', 'ljspeech_folder', 'get_ljspeech', 'load_ljspeech'}
+           'load_enwik8', 'get_enwik8', 'ljspeech_folder', 'get_ljspeech', 'load_ljspeech'}
 PACKAGE = 'compressive_tutorial'
 TIMEOUT = 300                    # seconds one notebook's data path may take
 
