@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Run a notebook's `#| gpu` cells where nbdev is not installed (a lent GPU machine), and bring their outputs home.
+
+    python .ci/gpu_cells.py run nbs/09_books_char.ipynb --out $OUT/09_books_char.ipynb   # on the GPU machine
+    python .ci/gpu_cells.py merge RETURNED.ipynb nbs/09_books_char.ipynb                  # here, then nbdev_clean
+
+`run` executes the notebook the way `nbdev_test --flags gpu` does (from the notebook's folder, every code cell except
+those flagged with another of settings.ini's `tst_flags` or `#| eval: false`, stopping at the first error), with
+execnb's shell, so it needs only execnb and IPython there (.ci/gpu_wheels.sh fetches them). It keeps the outputs of the
+cells it ran and writes the notebook to `--out` after every flagged cell: a command stopped at its time limit still
+returns what finished, and running it again re-runs only what a cell does not find in its run caches.
+
+`merge` copies the outputs of the flagged cells, and of nothing else, from the returned notebook into the repository's
+one, matching cells by id; it refuses a cell whose source changed since the run. The other cells keep their committed
+outputs (which come from the runs their text describes). See .ci/GPU.md for the whole session.
+"""
+import argparse, ast, json, os, re, sys, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def src(c) -> str: return c['source'] if isinstance(c['source'], str) else ''.join(c['source'])
+
+
+def directives(source:str) -> dict:
+    "nbdev's cell directives: the `#| name args` lines at the top of a cell, as {name: args}; `#| eval: false` -> {'eval:': 'false'}."
+    out = {}
+    for line in source.splitlines():
+        m = re.match(r'\s*#\|\s*(\S+)\s*(.*)$', line)
+        if m: out[m.group(1)] = m.group(2).strip()
+        elif line.strip(): break
+    return out
+
+
+def tst_flags() -> set:
+    "settings.ini's `tst_flags`: the flags whose cells `nbdev_test` skips unless asked for them."
+    from configparser import ConfigParser
+    c = ConfigParser(delimiters=['=']); c.read(ROOT / 'settings.ini', encoding='utf-8')
+    return set(c['DEFAULT'].get('tst_flags', '').split())
+
+
+def skipped(cell, flags:set) -> bool:
+    "What `nbdev_test --flags FLAGS` leaves out: markdown, `#| eval: false`, and cells flagged with another test flag."
+    if cell['cell_type'] != 'code': return True
+    d = directives(src(cell))
+    if d.get('eval:', '').lower() == 'false': return True
+    return bool((tst_flags() - flags) & d.keys())
+
+
+def flagged(cell, flags:set) -> bool:
+    return cell['cell_type'] == 'code' and bool(flags & directives(src(cell)).keys())
+
+
+def _names(source:str) -> tuple:
+    "(names a cell binds, names it reads before binding them itself); shell and magic lines are ignored."
+    code = '\n'.join('' if l.lstrip().startswith(('%', '!')) else l for l in source.splitlines())
+    tree = ast.parse(code)
+    bound = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)): bound.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)): bound.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)): bound |= {(a.asname or a.name).split('.')[0] for a in n.names}
+        elif isinstance(n, ast.arg): bound.add(n.arg)
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return bound, read - bound
+
+
+def standalone_problems(nb:dict, flags:frozenset=frozenset({'gpu'})) -> list:
+    "Names a flagged cell reads that only cells `run` skips (e.g. `#| slow`) define: it would fail where it is run."
+    fast, slow, out = set(), set(), []
+    for i, c in enumerate(nb['cells']):
+        if c['cell_type'] != 'code': continue
+        try: bound, read = _names(src(c))
+        except SyntaxError: continue                     # cell magics (%%...) and the like: nothing to learn
+        if flagged(c, flags):
+            missing = sorted(n for n in read if n in slow and n not in fast)
+            if missing: out.append(f"cell {i} reads {', '.join(missing)}, defined only in cells it runs without")
+        if skipped(c, flags): slow |= bound
+        else: fast |= bound
+    return out
+
+
+def run(nb_path:Path, out:Path, flags:set) -> int:
+    "Execute like `nbdev_test --flags FLAGS`, keeping the outputs; write to `out` after each flagged cell; 0 if all ran."
+    from execnb.nbio import read_nb, write_nb
+    from execnb.shell import CaptureShell
+    nb, out = read_nb(nb_path), Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.environ['IN_TEST'] = '1'                                 # as nbdev_test sets it
+    os.chdir(nb_path.resolve().parent)                          # as nbdev_test: paths in the notebook are relative to it
+    sh, t_all = CaptureShell(nb_path.resolve()), time.time()
+    for i, c in enumerate(nb.cells):
+        if skipped(c, flags): continue
+        t = time.time()
+        sh.cell(c)
+        err = [o for o in c.get('outputs', []) if o.get('output_type') == 'error']
+        tag = ' [' + ','.join(sorted(flags & directives(c.source).keys())) + ']' if flagged(c, flags) else ''
+        print(f'cell {i}{tag}: {time.time() - t:.1f} s' + (' ERROR' if err else ''), flush=True)
+        if flagged(c, flags) or err: write_nb(nb, out)
+        if err:
+            print('\n'.join(err[0].get('traceback', [])[-8:]), file=sys.stderr)
+            return 1
+    write_nb(nb, out)
+    print(f'{nb_path.name}: all cells ran in {time.time() - t_all:.0f} s -> {out}')
+    return 0
+
+
+def merge(returned:Path, target:Path, flags:set) -> int:
+    "Copy the flagged cells' outputs from `returned` into `target` (matched by cell id); 0 if every flagged cell had some."
+    got, nb = json.loads(Path(returned).read_text()), json.loads(Path(target).read_text())
+    by_id = {c.get('id'): c for c in got['cells']}
+    n, empty = 0, []
+    for c in nb['cells']:
+        if not flagged(c, flags): continue
+        r = by_id.get(c.get('id'))
+        if r is None or src(r) != src(c):
+            raise SystemExit(f"{target}: cell {c.get('id')} {'is not in' if r is None else 'changed since'} {returned}: "
+                             f"run it again on the GPU machine.")
+        c['outputs'], c['execution_count'] = r.get('outputs', []), r.get('execution_count')
+        n += 1
+        if not c['outputs']: empty.append(c.get('id'))
+    Path(target).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + '\n')
+    print(f'{target}: outputs of {n} flagged cell(s) copied from {returned}' +
+          (f'; no outputs in {empty} (not run, or they print nothing)' if empty else ''))
+    return 1 if empty else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest='cmd', required=True)
+    r = sub.add_parser('run', help="execute a notebook's cells as `nbdev_test --flags` does and keep the outputs")
+    r.add_argument('notebook', type=Path); r.add_argument('--out', type=Path, required=True)
+    m = sub.add_parser('merge', help="copy the flagged cells' outputs from a returned notebook into the repository's")
+    m.add_argument('returned', type=Path); m.add_argument('target', type=Path)
+    for p in (r, m): p.add_argument('--flags', default='gpu', help='space-separated flags to run (default: gpu)')
+    a = ap.parse_args(argv)
+    flags = set(a.flags.split())
+    if unknown := flags - tst_flags(): ap.error(f"--flags {' '.join(sorted(unknown))}: not in settings.ini's tst_flags {sorted(tst_flags())}")
+    return run(a.notebook, a.out, flags) if a.cmd == 'run' else merge(a.returned, a.target, flags)
+
+
+if __name__ == '__main__': sys.exit(main())

@@ -1,0 +1,65 @@
+"""The runner of `#| gpu` cells for machines without nbdev (.ci/gpu_cells.py): it runs what `nbdev_test --flags gpu`
+runs and keeps the outputs, and `merge` brings back the flagged cells' outputs and nothing else."""
+import importlib.util, json
+from pathlib import Path
+import pytest
+
+pytest.importorskip('execnb')
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location('gpu_cells', ROOT / '.ci' / 'gpu_cells.py')
+gc = importlib.util.module_from_spec(spec); spec.loader.exec_module(gc)
+
+
+def notebook(path, *cells):
+    "A notebook of code cells (markdown if a source starts with '# ') with ids c0, c1, ..."
+    def cell(i, s):
+        if s.startswith('# '): return {'cell_type': 'markdown', 'id': f'c{i}', 'metadata': {}, 'source': s}
+        return {'cell_type': 'code', 'id': f'c{i}', 'metadata': {}, 'source': s, 'outputs': [], 'execution_count': None}
+    nb = {'cells': [cell(i, s) for i, s in enumerate(cells)], 'metadata': {}, 'nbformat': 4, 'nbformat_minor': 5}
+    path.write_text(json.dumps(nb)); return path
+
+
+def outputs(path):
+    return [''.join(''.join(o.get('text', '')) for o in c.get('outputs', [])) for c in json.loads(path.read_text())['cells']]
+
+
+def test_run_and_merge(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                          # `run` moves into the notebook's folder, as nbdev_test does
+    nb = notebook(tmp_path / 'a.ipynb', '# Title', 'x = 1\nprint("fast")', '#| slow\nprint("slow")',
+                  '#| gpu\nprint(x + 1)', '#| eval: false\nprint("never")')
+    out = tmp_path / 'out' / 'a.ipynb'
+    assert gc.main(['run', str(nb), '--out', str(out)]) == 0
+    assert outputs(out) == ['', 'fast\n', '', '2\n', '']         # the slow and eval:false cells did not run
+    assert gc.main(['merge', str(out), str(nb)]) == 0
+    assert outputs(nb) == ['', '', '', '2\n', '']                 # only the gpu cell's outputs came back
+    assert gc.main(['run', str(nb), '--out', str(out), '--flags', 'slow']) == 0
+    assert outputs(out) == ['', 'fast\n', 'slow\n', '2\n', '']   # other flags: the gpu cell is skipped, its old output kept
+
+
+def test_error_stops_and_keeps_what_ran(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    nb = notebook(tmp_path / 'b.ipynb', '#| gpu\nprint("first")', '#| gpu\nraise ValueError("boom")', '#| gpu\nprint("after")')
+    out = tmp_path / 'b_out.ipynb'
+    assert gc.main(['run', str(nb), '--out', str(out)]) == 1
+    errors = [o for o in json.loads(out.read_text())['cells'][1]['outputs'] if o['output_type'] == 'error']
+    assert outputs(out)[0] == 'first\n' and errors[0]['ename'] == 'ValueError' and outputs(out)[2] == ''
+    assert gc.main(['merge', str(out), str(nb)]) == 1            # a flagged cell with no outputs is reported
+
+
+def test_merge_refuses_a_changed_cell(tmp_path):
+    nb = notebook(tmp_path / 'c.ipynb', '#| gpu\nprint(1)')
+    ret = notebook(tmp_path / 'ret.ipynb', '#| gpu\nprint(2)')
+    with pytest.raises(SystemExit, match='changed since'): gc.main(['merge', str(ret), str(nb)])
+
+
+def test_standalone_problems():
+    cells = lambda *ss: {'cells': [{'cell_type': 'code', 'source': s} for s in ss]}
+    assert gc.standalone_problems(cells('a = 1', '#| slow\nb = 2', '#| gpu\nprint(a)')) == []
+    assert gc.standalone_problems(cells('a = 1', '#| slow\nb = 2', '#| gpu\nprint(a, b)')) == ['cell 2 reads b, defined only in cells it runs without']
+    assert gc.standalone_problems(cells('#| slow\nb = 2', '#| gpu\nb = 3\nprint(b)')) == []   # it makes its own
+
+
+def test_repo_gpu_cells_stand_alone():
+    "Every notebook's gpu cells need only cells that run beside them (not `#| slow` ones): a GPU session is too short to find out there."
+    for p in sorted((ROOT / 'nbs').glob('[0-9]*.ipynb')):
+        assert gc.standalone_problems(json.loads(p.read_text())) == [], p.name
