@@ -27,7 +27,7 @@ import gymnasium as gym
 from gymnasium import spaces
 from gymnasium.vector import SyncVectorEnv, AutoresetMode
 from tqdm import tqdm
-from .xl import XLConfig, TransformerXL, xl_equivalent_mask, episode_reference
+from .xl import XLConfig, TransformerXL, xl_equivalent_mask, episode_reference, reachability
 from .model import CTConfig, CompressiveTransformer, ct_visibility_mask
 from .train import save_checkpoint, load_checkpoint, flatten_tree, unflatten_tree, hardware
 
@@ -1028,9 +1028,8 @@ def reach_by_offset(n_layers:int, # l: layers
                    ) -> list: # [farthest distance q - p that the output at window offset i can depend on, for i in 0..n_s-1]
     "Exact reach of each window offset through l layers, from the boolean powers of the one-layer visibility mask."
     S = ((n_layers + 2) * (n_m + c * n_cm + n_s) // n_s + 1) * n_s            # whole windows, long enough to fill every memory
-    A = (xl_equivalent_mask(S, n_s, n_m) if n_cm == 0 else ct_visibility_mask(S, n_s, n_m, n_cm, c)).float()   # (S, S)
-    R = A.clone()
-    for _ in range(n_layers - 1): R = ((R @ A) > 0).float()                  # reachable through one more layer
+    A = xl_equivalent_mask(S, n_s, n_m) if n_cm == 0 else ct_visibility_mask(S, n_s, n_m, n_cm, c)   # (S, S) one layer
+    R = reachability(A, n_layers)                                            # (S, S) through all l layers
     q0 = S - n_s                                                             # the last window: memories are full
     return [int(q - R[q].nonzero()[:, 0].min()) for q in range(q0, S)]
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['XLConfig', 'KVCache', 'Memory', 'empty_memory', 'fifo_push', 'update_memory', 'visible_after', 'mask_memory',
            'XLLayer', 'xl_equivalent_mask', 'XLState', 'lm_loss', 'TransformerXL', 'episode_reference',
-           'temporal_range', 'reach_from_visibility', 'dependency_reach']
+           'temporal_range', 'reachability', 'reach_from_visibility', 'dependency_reach']
 
 # %% ../nbs/02_transformer_xl.ipynb #eaf3bd7e
 import math
@@ -387,13 +387,20 @@ def temporal_range(n_layers:int, # l: number of layers
     "Maximum temporal range of Transformer-XL, $l \\times n_m$ (Compressive Transformer §3.3)."
     return n_layers * n_m
 
-def reach_from_visibility(A:Tensor, # (S, S) bool: True where one layer's query at q sees the input at p
-                          n_layers:int # l: layers stacked
-                         ) -> int: # the largest q - p with a path from p to q through l layers
-    "Farthest dependency through `n_layers` stacked layers: the largest q - p in the boolean `n_layers`-th power of A."
+def reachability(A:Tensor, # (S, S) bool: True where one layer's query at q sees the input at p
+                 n_layers:int # l: layers stacked
+                ) -> Tensor: # (S, S) bool: True where the output at q depends on the input at p through l layers
+    "The boolean `n_layers`-th power of A: a path p -> q through l layers exists iff some chain of l visible steps joins them."
     A = A.float()
     R = A.clone()
     for _ in range(n_layers - 1): R = ((R @ A) > 0).float()                 # reachability through one more layer
+    return R.bool()
+
+def reach_from_visibility(A:Tensor, # (S, S) bool: True where one layer's query at q sees the input at p
+                          n_layers:int # l: layers stacked
+                         ) -> int: # the largest q - p with a path from p to q through l layers
+    "Farthest dependency through `n_layers` stacked layers: the largest q - p in the `reachability` of A."
+    R = reachability(A, n_layers)
     S = A.shape[0]
     q = torch.arange(S)[:, None].expand(S, S)
     p = torch.arange(S)[None, :].expand(S, S)
