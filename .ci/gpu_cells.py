@@ -11,7 +11,8 @@ cells it ran and writes the notebook to `--out` after every flagged cell: a comm
 returns what finished, and running it again re-runs only what a cell does not find in its run caches.
 
 `merge` copies the outputs of the flagged cells, and of nothing else, from the returned notebook into the repository's
-one, matching cells by id; it refuses a cell whose source changed since the run. The other cells keep their committed
+one, matching cells by id; it refuses a cell whose source changed since the run, and leaves a cell that ended in an
+error as it was. The other cells keep their committed
 outputs (which come from the runs their text describes). See .ci/GPU.md for the whole session.
 """
 import argparse, ast, json, os, re, sys, time
@@ -110,20 +111,23 @@ def merge(returned:Path, target:Path, flags:set) -> int:
     "Copy the flagged cells' outputs from `returned` into `target` (matched by cell id); 0 if every flagged cell had some."
     got, nb = json.loads(Path(returned).read_text()), json.loads(Path(target).read_text())
     by_id = {c.get('id'): c for c in got['cells']}
-    n, empty = 0, []
+    n, empty, failed = 0, [], []
     for c in nb['cells']:
         if not flagged(c, flags): continue
         r = by_id.get(c.get('id'))
         if r is None or src(r) != src(c):
             raise SystemExit(f"{target}: cell {c.get('id')} {'is not in' if r is None else 'changed since'} {returned}: "
                              f"run it again on the GPU machine.")
-        c['outputs'], c['execution_count'] = r.get('outputs', []), r.get('execution_count')
+        outs = r.get('outputs', [])
+        if any(o.get('output_type') == 'error' for o in outs): failed.append(c.get('id')); continue   # keep the old outputs
+        c['outputs'], c['execution_count'] = outs, r.get('execution_count')
         n += 1
-        if not c['outputs']: empty.append(c.get('id'))
+        if not outs: empty.append(c.get('id'))
     Path(target).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + '\n')
     print(f'{target}: outputs of {n} flagged cell(s) copied from {returned}' +
-          (f'; no outputs in {empty} (not run, or they print nothing)' if empty else ''))
-    return 1 if empty else 0
+          (f'; no outputs in {empty} (not run, or they print nothing)' if empty else '') +
+          (f'; NOT copied, they ended in an error: {failed}' if failed else ''))
+    return 1 if empty or failed else 0
 
 
 def main(argv=None) -> int:

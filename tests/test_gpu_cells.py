@@ -43,7 +43,8 @@ def test_error_stops_and_keeps_what_ran(tmp_path, monkeypatch):
     assert gc.main(['run', str(nb), '--out', str(out)]) == 1
     errors = [o for o in json.loads(out.read_text())['cells'][1]['outputs'] if o['output_type'] == 'error']
     assert outputs(out)[0] == 'first\n' and errors[0]['ename'] == 'ValueError' and outputs(out)[2] == ''
-    assert gc.main(['merge', str(out), str(nb)]) == 1            # a flagged cell with no outputs is reported
+    assert gc.main(['merge', str(out), str(nb)]) == 1            # an error, and a flagged cell with no outputs, are reported
+    assert outputs(nb) == ['first\n', '', '']                    # the cell that failed keeps its old (here: no) outputs
 
 
 def test_merge_refuses_a_changed_cell(tmp_path):
