@@ -200,6 +200,34 @@ def test_demo_refuses_an_unwritable_plot_before_training(capsys):
     assert '/nonexistent' in line and out == '' and time.perf_counter() - t0 < 10
 
 
+def test_demo_refuses_a_plot_folder_root_cannot_write_before_training(capsys):
+    if not Path('/proc').is_dir(): pytest.skip('no /proc')
+    t0 = time.perf_counter()                                # os.access says yes to root; creating a file there fails
+    code, out, err = ct(capsys, 'demo', '--plot', '/proc/x.png', '--steps', 50)
+    line = one_line_error(code, err, 2)
+    assert '/proc/x.png' in line and 'cannot write' in line and out == '' and time.perf_counter() - t0 < 10
+
+
+@pytest.mark.parametrize('device', ['foo', 'meta', 'cuda:99'])
+def test_bad_device_is_refused_before_anything(capsys, corpus, trained, tmp_path, device):
+    code, out, err = ct(capsys, 'train', corpus, '--out', tmp_path/'r', *TINY[:-1], device)   # TINY ends with --device cpu
+    line = one_line_error(code, err, 2)
+    assert device in line and ('cuda:N' in line or 'no such device' in line), line
+    assert not (tmp_path/'r').exists()                      # no config.json written, no folder made
+    for cmd in (['eval', trained], ['sample', trained, '--prompt', 'x'], ['demo', '--steps', 50]):
+        line = one_line_error(*ct(capsys, *cmd, '--device', device)[::2], status=2)
+        assert f'--device {device}:' in line, line
+    line = one_line_error(*ct(capsys, 'bench', '--preset', 'cpu', '--set', f'device={device}')[::2], status=2)
+    assert f'device={device}' in line, line
+
+
+def test_bench_refuses_a_json_folder_before_running(capsys, tmp_path):
+    t0 = time.perf_counter()
+    code, out, err = ct(capsys, 'bench', '--preset', 'cpu', '--json', tmp_path)
+    line = one_line_error(code, err, 2)
+    assert 'is a folder' in line and out == '' and time.perf_counter() - t0 < 10
+
+
 def test_demo_plot_goes_where_git_ignores_it(capsys):
     root = Path(__file__).resolve().parents[1]
     if not (root/'.git').exists(): pytest.skip('not a git checkout')
