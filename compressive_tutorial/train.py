@@ -540,6 +540,10 @@ class Trainer:
         return self._restore(*load_checkpoint(path), path)
 
     def _restore(self, tensors:dict, meta:dict, path=None) -> 'Trainer':
+        B, loader_B = meta.get('state_batch_size'), getattr(self.train_loader, 'batch_size', None)
+        if B is not None and loader_B is not None and loader_B != B:                 # before anything is changed
+            raise ValueError(f"{path or 'the checkpoint'} holds the memories of {B} streams, but the train loader gives batches of "
+                             f"{loader_B}: resume with the same loader (batch_size={B}); the memories belong to those streams")
         check_model(meta, self.model, path or 'the checkpoint'); _set_weights(self.model, tensors, path or 'the checkpoint')
         for name, opt in (('opt', self.opt), ('copt', self.copt)):
             saved = name in meta['skeleton']
@@ -550,11 +554,7 @@ class Trainer:
         for n, p in self.model.named_parameters():
             g = tensors.get(f'grad.{n}')
             p.grad = None if g is None else g.to(p.device, p.dtype)
-        self.state, B = None, meta.get('state_batch_size')
-        loader_B = getattr(self.train_loader, 'batch_size', None)
-        if B is not None and loader_B is not None and loader_B != B:
-            raise ValueError(f"{path or 'the checkpoint'} holds the memories of {B} streams, but the train loader gives batches of "
-                             f"{loader_B}: resume with the same loader (batch_size={B}); the memories belong to those streams")
+        self.state = None
         if 'state' in meta['skeleton']:                                          # the global batch's memories: take our rows
             if B % self.world: raise ValueError(f"{path or 'the checkpoint'} holds the memories of {B} streams, which cannot be "
                                                 f"split over {self.world} processes: resume on a number of processes that divides {B}")
