@@ -255,7 +255,7 @@ class _ShiftMasked(torch.autograd.Function):
 def shift_masked(x:Tensor, # (..., T, K) scores against reversed distances (column k is distance K-1-k), e.g. (q+v) Q^T
                  mask:Tensor # bool, broadcastable to (..., T, K); True = may attend; must hide everything above the causal boundary
                 ) -> Tensor: # (..., T, K) contiguous, equal to rel_shift(x) where mask, -inf elsewhere
-    "`rel_shift(x).masked_fill(~mask, -inf)` in one pass: the shift is a strided view of `x`, not a padded copy."
+    "`rel_shift(x).masked_fill(~mask, -inf)` in one pass: the shift is a strided view of `x`, not a padded copy (so the mask must hide every key above the causal boundary, where the view reads the next row)."
     if x.shape[-1] < x.shape[-2]: raise ValueError(f"shift_masked needs K >= T keys, got x of shape {tuple(x.shape)}.")
     if torch.compiler.is_compiling(): return rel_shift(x).masked_fill(~mask, float('-inf'))   # the compiler fuses these itself
     return _ShiftMasked.apply(x, mask)
@@ -300,10 +300,11 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         self.v_bias = nn.Parameter(torch.randn(n_heads, self.d_head) * 0.02)  # v: global position bias, per head
 
     def rel_proj(self, K:int, device=None) -> Tensor:
-        "The paper's Q: row k is $W_{k,R} R_{K-1-k}$, split into heads `(H, d_h, K)`; kept while no gradient is taken and W_{k,R} is unchanged."
+        "The paper's Q: row k is $W_{k,R} R_{K-1-k}$, split into heads `(H, d_h, K)`; kept while no gradient is taken and W_{k,R}, clamp_len and autocast are unchanged."
         keep = not (torch.is_grad_enabled() or torch.compiler.is_compiling())   # (a compiled graph recomputes it: no Python state)
         dev = torch.device(device or self.r.weight.device)
-        key = (K, dev, self.r.weight.data_ptr(), self.r.weight._version, torch.is_autocast_enabled(dev.type)) if keep else None
+        amp = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
+        key = (K, dev, self.clamp_len, amp, self.r.weight.data_ptr(), self.r.weight._version) if keep else None
         if keep and getattr(self, '_rel_cache', (None,))[0] == key: return self._rel_cache[1]
         pos = torch.arange(K - 1, -1, -1, device=device)   # distances K-1 .. 0
         if self.clamp_len is not None: pos = pos.clamp(max=self.clamp_len)
@@ -332,8 +333,9 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         B, H, T, dh = q.shape
         K = k.shape[2]
         Q = self.rel_proj(K, q.device).to(q.dtype)                        # (H, d_h, K), the same for every stream
-        qv = (q * s + self.v_bias[:, None, :] * s).transpose(0, 1).reshape(H, B * T, dh)   # (H, B*T, d_h): a view, q is (B, T, H, d_h) in memory
+        u, v_ = ((b * s).to(q.dtype)[:, None, :] for b in (self.u_bias, self.v_bias))   # (H, 1, d_h) in the queries' dtype (autocast)
+        qv = (q * s + v_).transpose(0, 1).reshape(H, B * T, dh)           # (H, B*T, d_h): a view, q is (B, T, H, d_h) in memory
         pos = torch.bmm(qv, Q).view(H, B, T, K).transpose(0, 1)           # (B, H, T, K): one GEMM per head over all B*T queries
         bias = shift_masked(pos, mask)                                    # (B, H, T, K): (b)+(d), -inf where masked
-        return attend_biased(q * s + self.u_bias[:, None, :] * s, k.to(q.dtype), v.to(q.dtype), bias, dropout_p, overwrite=True)
+        return attend_biased(q * s + u, k.to(q.dtype), v.to(q.dtype), bias, dropout_p, overwrite=True)
 

@@ -87,6 +87,9 @@ def projected_reconstruction_loss(q:Tensor, # (B, H, n_s, d_h) the layer's queri
     if k_old.shape[:2] != (B, H) or v_old.shape != k_old.shape or k_old.shape[-1] != dh:
         raise ValueError(f"q {tuple(q.shape)}, k_old {tuple(k_old.shape)} and v_old {tuple(v_old.shape)} must be (B, H, n, d_h) "
                          "with the same B, H and d_h: pass the layer's own projections, split into heads")
+    if new_cm.dim() != 3 or new_cm.shape[0] != B or new_cm.shape[2] != H * dh or attn.n_heads != H:
+        raise ValueError(f"new_cm {tuple(new_cm.shape)} must be (B={B}, n_old/c, d={H * dh}) and attn must have n_heads={H}, "
+                         f"as q {tuple(q.shape)}: pass f_c of the same streams' evicted memories and the layer that made q")
     _check_attention_module(attn, new_cm.shape[-1])
     q, k_old, v_old = q.detach(), k_old.detach(), v_old.detach()          # 1. stop gradient into the transformer
     heads = lambda x: x.view(B, -1, H, dh).transpose(1, 2)               # (B, n, d) -> (B, H, n, d_h)
