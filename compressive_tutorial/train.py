@@ -196,13 +196,15 @@ def dist_rank_world() -> tuple: # (rank, world size); (0, 1) without an initiali
     if dist.is_available() and dist.is_initialized(): return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
-def init_distributed(backend:str|None=None # None: 'nccl' with CUDA, else 'gloo'
+def init_distributed(backend:str|None=None, # None: 'nccl' for a run on CUDA, else 'gloo'
+                     device=None # the run's device: 'cpu' joins with gloo and leaves the GPUs alone; None: CUDA where there is one
                     ) -> bool: # True if this process is one of several (a process group is ready)
     "Join the process group that torchrun describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR ...)."
     if int(os.environ.get('WORLD_SIZE', '1')) <= 1: return False                # not under torchrun, or one process
     if not dist.is_initialized():
-        if torch.cuda.is_available(): torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', '0')))   # one GPU per process
-        dist.init_process_group(backend or ('nccl' if torch.cuda.is_available() else 'gloo'))
+        cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == 'cuda')
+        if cuda: torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', '0')))   # one GPU per process
+        dist.init_process_group(backend or ('nccl' if cuda else 'gloo'))
     return True
 
 def shard_rows(t:Tensor, # (B, ...): one row per stream

@@ -46,7 +46,7 @@ def spy_grads(t):
 
 def main(phase, out):
     out = Path(out)
-    init_distributed()
+    init_distributed(device='cpu')                         # gloo on the CPU, on a machine with GPUs too
     torch.set_num_threads(1)
     rank, world = dist_rank_world()
     if phase in ('first', 'single'):                       # the gradients of every update of 8 windows (one pass and more)
