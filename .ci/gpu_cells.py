@@ -2,12 +2,14 @@
 """Run a notebook's `#| gpu` cells where nbdev is not installed (a lent GPU machine), and bring their outputs home.
 
     python .ci/gpu_cells.py run nbs/09_books_char.ipynb --out $OUT/09_books_char.ipynb   # on the GPU machine
+    python .ci/gpu_cells.py run nbs/09_books_char.ipynb --cells 7c21237b 7c21237c ...   # only these flagged cells
     python .ci/gpu_cells.py merge RETURNED.ipynb nbs/09_books_char.ipynb                  # here, then nbdev_clean
 
 `run` executes the notebook the way `nbdev_test --flags gpu` does (from the notebook's folder, every code cell except
 those flagged with another of settings.ini's `tst_flags` or `#| eval: false`, stopping at the first error), with
 execnb's shell, so it needs only execnb and IPython there (.ci/gpu_wheels.sh fetches them). It keeps the outputs of the
-cells it ran and writes the notebook to `--out` after every flagged cell: a command stopped at its time limit still
+cells it ran and writes the notebook to `--out` after every flagged cell (with `--cells`, it runs only the flagged cells
+named, by cell id, beside every unflagged one): a command stopped at its time limit still
 returns what finished, and running it again re-runs only what a cell does not find in its run caches.
 
 `merge` copies the outputs of the flagged cells, and of nothing else, from the returned notebook into the repository's
@@ -82,17 +84,20 @@ def standalone_problems(nb:dict, flags:frozenset=frozenset({'gpu'})) -> list:
     return out
 
 
-def run(nb_path:Path, out:Path, flags:set) -> int:
-    "Execute like `nbdev_test --flags FLAGS`, keeping the outputs; write to `out` after each flagged cell; 0 if all ran."
+def run(nb_path:Path, out:Path, flags:set, cells:list|None=None) -> int:
+    "Execute like `nbdev_test --flags FLAGS` (only the flagged `cells`, if given), keeping the outputs; write to `out` after each flagged cell; 0 if all ran."
     from execnb.nbio import read_nb, write_nb
     from execnb.shell import CaptureShell
     nb, out = read_nb(nb_path), Path(out).resolve()
+    if cells is not None:
+        known = {c.get('id') for c in nb.cells if flagged(c, flags)}
+        if unknown := set(cells) - known: raise SystemExit(f"--cells {' '.join(sorted(unknown))}: not flagged {sorted(flags)} cells of {nb_path} ({sorted(known)})")
     out.parent.mkdir(parents=True, exist_ok=True)
     os.environ['IN_TEST'] = '1'                                 # as nbdev_test sets it
     os.chdir(nb_path.resolve().parent)                          # as nbdev_test: paths in the notebook are relative to it
     sh, t_all = CaptureShell(nb_path.resolve()), time.time()
     for i, c in enumerate(nb.cells):
-        if skipped(c, flags): continue
+        if skipped(c, flags) or (cells is not None and flagged(c, flags) and c.get('id') not in cells): continue
         t = time.time()
         sh.cell(c)
         err = [o for o in c.get('outputs', []) if o.get('output_type') == 'error']
@@ -135,13 +140,14 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest='cmd', required=True)
     r = sub.add_parser('run', help="execute a notebook's cells as `nbdev_test --flags` does and keep the outputs")
     r.add_argument('notebook', type=Path); r.add_argument('--out', type=Path, required=True)
+    r.add_argument('--cells', nargs='+', metavar='ID', help='run only these flagged cells (cell ids); the unflagged ones all run')
     m = sub.add_parser('merge', help="copy the flagged cells' outputs from a returned notebook into the repository's")
     m.add_argument('returned', type=Path); m.add_argument('target', type=Path)
     for p in (r, m): p.add_argument('--flags', default='gpu', help='space-separated flags to run (default: gpu)')
     a = ap.parse_args(argv)
     flags = set(a.flags.split())
     if unknown := flags - tst_flags(): ap.error(f"--flags {' '.join(sorted(unknown))}: not in settings.ini's tst_flags {sorted(tst_flags())}")
-    return run(a.notebook, a.out, flags) if a.cmd == 'run' else merge(a.returned, a.target, flags)
+    return run(a.notebook, a.out, flags, a.cells) if a.cmd == 'run' else merge(a.returned, a.target, flags)
 
 
 if __name__ == '__main__': sys.exit(main())

@@ -3,11 +3,13 @@
 # the repository as the working directory, $OUT a folder whose files come back. .ci/GPU.md gives the plan.
 #
 #   bash .ci/gpu_session.sh tests bench                # the CUDA tests (pytest) and the GPU benchmark
-#   bash .ci/gpu_session.sh nb:09_books_char           # a notebook's `#| gpu` cells (with the cells they need)
+#   bash .ci/gpu_session.sh nb:15_performance          # a notebook's `#| gpu` cells (with the cells they need)
+#   bash .ci/gpu_session.sh nb:09_books_char:7c21237b,7c21237c   # only these gpu cells (ids), beside the unflagged ones
 #
 # Each step's log and results go to $OUT: hardware.txt, pytest.log, bench-gpu.json + bench.log, NAME.ipynb + NAME.log.
-# STEP_LIMIT_S=540 interrupts a step (SIGINT, as Ctrl-C: the trainers checkpoint and stop) after 540 s, so that the
-# command ends inside the machine's 10-minute limit with its files written; run it again to go on.
+# LIMIT_S=540 interrupts the step running 540 s after the command started (SIGINT, as Ctrl-C: the trainers checkpoint
+# and stop) and skips the rest, so that the command ends inside the machine's 10-minute limit with its files written;
+# run it again to go on.
 # Carried wheels (.whl/, from .ci/gpu_wheels.sh) are installed once per machine into /tmp/site; a carried data/books
 # (a copy of ../shared/data/books) is found through CT_DATA_DIR. Run folders (runs/) stay on the machine while it is
 # warm, so a step stopped at the command's time limit continues from its last checkpoint when it is run again.
@@ -15,9 +17,10 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-if [ ! -f /tmp/site/.done ] && compgen -G ".whl/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && touch /tmp/site/.done || { echo "installing the carried wheels failed" >&2; exit 1; }
+wheels=$(ls .whl/*.whl 2>/dev/null)
+if [ -n "$wheels" ] && [ "$wheels" != "$(cat /tmp/site/.installed 2>/dev/null)" ]; then   # new or other wheels: (re)install
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
+    && echo "$wheels" >/tmp/site/.installed || { echo "installing the carried wheels failed" >&2; exit 1; }
 fi
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" MPLBACKEND=Agg PYTHONUNBUFFERED=1
 [ -d data/books ] && export CT_DATA_DIR="$PWD/data"
@@ -25,15 +28,19 @@ export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" MPLBACKEND=Agg PYT
   $PY -c 'import torch; print("torch", torch.__version__, "| cuda", torch.version.cuda, "| bf16", torch.cuda.is_available() and torch.cuda.is_bf16_supported())'
 } | tee -a "$OUT/hardware.txt"
 
-limit() { if [ "${STEP_LIMIT_S:-0}" -gt 0 ]; then timeout -s INT -k 30 "$STEP_LIMIT_S" "$@"; else "$@"; fi; }
+limit() {   # run "$@" until LIMIT_S seconds after the command started, then SIGINT (and SIGKILL 20 s later)
+  [ "${LIMIT_S:-0}" -gt 0 ] || { "$@"; return; }
+  timeout -s INT -k 20 $((LIMIT_S - SECONDS)) "$@"
+}
 rc=0
 for step in "$@"; do
+  if [ "${LIMIT_S:-0}" -gt 0 ] && [ $((LIMIT_S - SECONDS)) -lt 30 ]; then echo "== $step: skipped, LIMIT_S=$LIMIT_S is reached"; rc=124; continue; fi
   t0=$SECONDS; echo "== $step"
   case "$step" in
     tests) limit $PY -m pytest -q -rA -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" ;;
     bench) limit $PY -m compressive_tutorial.cli bench --preset gpu --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench.log" ;;
-    nb:*)  name=${step#nb:}; name=${name%.ipynb}
-           limit $PY .ci/gpu_cells.py run "nbs/$name.ipynb" --out "$OUT/$name.ipynb" 2>&1 | tee "$OUT/$name.log" ;;
+    nb:*)  name=${step#nb:}; ids=""; [[ $name == *:* ]] && { ids=${name#*:}; name=${name%%:*}; }; name=${name%.ipynb}
+           limit $PY .ci/gpu_cells.py run "nbs/$name.ipynb" --out "$OUT/$name.ipynb" ${ids:+--cells ${ids//,/ }} 2>&1 | tee "$OUT/$name.log" ;;
     *) echo "unknown step '$step': tests, bench or nb:NOTEBOOK" >&2; exit 2 ;;
   esac
   s=${PIPESTATUS[0]}; [ "$s" -eq 0 ] || rc=$s

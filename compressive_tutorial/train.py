@@ -196,13 +196,15 @@ def dist_rank_world() -> tuple: # (rank, world size); (0, 1) without an initiali
     if dist.is_available() and dist.is_initialized(): return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
-def init_distributed(backend:str|None=None # None: 'nccl' with CUDA, else 'gloo'
+def init_distributed(backend:str|None=None, # None: 'nccl' for a run on CUDA, else 'gloo'
+                     device=None # the run's device: 'cpu' joins with gloo and leaves the GPUs alone; None: CUDA where there is one
                     ) -> bool: # True if this process is one of several (a process group is ready)
     "Join the process group that torchrun describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR ...)."
     if int(os.environ.get('WORLD_SIZE', '1')) <= 1: return False                # not under torchrun, or one process
     if not dist.is_initialized():
-        if torch.cuda.is_available(): torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', '0')))   # one GPU per process
-        dist.init_process_group(backend or ('nccl' if torch.cuda.is_available() else 'gloo'))
+        cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == 'cuda')
+        if cuda: torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', '0')))   # one GPU per process
+        dist.init_process_group(backend or ('nccl' if cuda else 'gloo'))
     return True
 
 def shard_rows(t:Tensor, # (B, ...): one row per stream
@@ -306,8 +308,8 @@ class Trainer:
 
     @staticmethod
     def _new_acc() -> dict:
-        "Sums of one history row: nats, tokens, iterations; aux loss and per-layer aux losses with their counts."
-        return dict(nats=0.0, tokens=0, iters=0, aux=0.0, n_aux=0, layers=[], n_layers=[], skipped=0)
+        "Sums of one history row: nats, tokens; aux loss and per-layer aux losses with their counts; fp16 skipped updates."
+        return dict(nats=0.0, tokens=0, aux=0.0, n_aux=0, layers=[], n_layers=[], skipped=0)
 
     def _next_batch(self):
         "The next window of the training stream; a new pass starts at window 0 when the loader is exhausted."
@@ -346,7 +348,8 @@ class Trainer:
         task_params = self.params + (self.comp_params if not train_aux else [])  # no trained aux loss (BPTT): task loss trains f_c
         keep = train_aux and not getattr(model, 'aux_graph_disjoint', False)     # a shared graph must survive the first backward
         torch.autograd.backward(scaled(loss * (share / k)), inputs=task_params, retain_graph=keep)   # DDP averages these
-        if train_aux: torch.autograd.backward(scaled(aux / k), inputs=self.comp_params)
+        aux_share = self._aux_share(train_aux) if self.copt is not None else 0.0   # DDP: every rank takes part in the count
+        if train_aux: torch.autograd.backward(scaled(aux * (aux_share / k)), inputs=self.comp_params)
         average_grads(self.comp_params, self.world, self.device)                 # outside DDP: averaged here
         layers = getattr(model, 'aux_losses', None)                              # per-layer values, for the history
         grad_norm = None
@@ -362,6 +365,13 @@ class Trainer:
                    tokens=n, grad_norm=grad_norm, skipped=int(update and not math.isfinite(grad_norm)))
         return self._reduce(out) if self.world > 1 else out
 
+    def _aux_share(self, has_aux:bool # whether this rank's aux loss trains f_c in this window
+                  ) -> float: # world / (ranks with an aux loss in this window); 1 in one process
+        "DDP: the weight of this rank's aux loss that turns `average_grads`' mean over all ranks into a mean over the ranks that have one."
+        if self.world == 1: return 1.0
+        n = all_sum([has_aux], self.device)[0]
+        return self.world / n if n else 0.0
+
     def _reduce(self, out:dict) -> dict:
         "DDP: the step's loss, tokens and auxiliary losses of the whole batch, the same on every rank."
         layers = out['aux_layers'] or []
@@ -374,7 +384,7 @@ class Trainer:
     def _accumulate(self, out:dict):
         "Add one `train_step` result to the sums of the current history row."
         a = self._acc
-        a['nats'] += out['loss'] * out['tokens']; a['tokens'] += out['tokens']; a['iters'] += 1; a['skipped'] += out.get('skipped', 0)
+        a['nats'] += out['loss'] * out['tokens']; a['tokens'] += out['tokens']; a['skipped'] += out.get('skipped', 0)
         if out['aux'] is not None: a['aux'] += out['aux']; a['n_aux'] += 1
         for i, v in enumerate(out.get('aux_layers') or []):
             if i == len(a['layers']): a['layers'].append(0.0); a['n_layers'].append(0)
@@ -451,14 +461,15 @@ class Trainer:
         cfg = self.cfg
         bar = tqdm(total=steps, initial=self.step, disable=not cfg.progress or self.rank != 0, mininterval=1, ncols=100)
         t0, self._saved_at = time.perf_counter(), self._clock()
+        stopping = None                                                     # the signal all ranks agreed on (never stop.signum itself)
         try:
-            while self.step < steps and stop.signum is None:
+            while self.step < steps and stopping is None:
                 out = self.train_step(self._next_batch())
                 for k in ('loss', 'aux'):                                    # rule 3 (the gradients: in _update)
                     if out[k] is not None and not math.isfinite(out[k]): raise self._diverged(f"the {k} is {out[k]}", self.step - 1)
                 self._accumulate(out)
                 due = self.ckpt_dir is not None and self._checkpoint_due()
-                stop.signum, due = self._agree(stop.signum, due)
+                stopping, due = self._agree(stop.signum, due)                # a signal arriving from here on waits for the next agreement
                 if self.step % cfg.log_every == 0:
                     dt, t0 = time.perf_counter() - t0, time.perf_counter()
                     a = self._acc
@@ -471,15 +482,16 @@ class Trainer:
                     post = dict(loss=f"{row['loss']:.3f}", bpb=f"{row['bpb']:.3f}", tok_s=f"{row['tok_s']:,.0f}")
                     if 'aux' in row: post['aux'] = f"{row['aux']:.4f}"
                     bar.set_postfix(**post, refresh=False)
-                if cfg.eval_every and self.valid_loader is not None and self.step % cfg.eval_every == 0 and stop.signum is None:
+                if cfg.eval_every and self.valid_loader is not None and self.step % cfg.eval_every == 0 and stopping is None:
                     ev = self.evaluate(max_batches=cfg.eval_batches)
                     self.history.append(dict(step=self.step, **{f'valid_{k}': v for k, v in ev.items()}))
-                if due and stop.signum is None: self.save()                   # rule 1
+                if due and stopping is None: self.save()                      # rule 1
                 bar.update(1)
         finally: bar.close()
+        if stopping is None: stopping = self._agree(stop.signum, False)[0]  # a signal after the last agreement stops the run too
         if self.ckpt_dir is not None and self.checkpoint != (self.ckpt_dir/'last.safetensors', self.step): self.save()
-        if stop.signum is not None:
-            raise TrainingInterrupted(stop.signum, self.step, None if self.ckpt_dir is None else self.checkpoint[0])
+        if stopping is not None:
+            raise TrainingInterrupted(stopping, self.step, None if self.ckpt_dir is None else self.checkpoint[0])
 
     def evaluate(self, loader=None, # windows to evaluate (None: the valid loader)
                  mem_len:int|None=None, # evaluation memory length (passed to forward as `n_m`)
@@ -530,6 +542,10 @@ class Trainer:
         return self._restore(*load_checkpoint(path), path)
 
     def _restore(self, tensors:dict, meta:dict, path=None) -> 'Trainer':
+        B, loader_B = meta.get('state_batch_size'), getattr(self.train_loader, 'batch_size', None)
+        if B is not None and loader_B is not None and loader_B != B:                 # before anything is changed
+            raise ValueError(f"{path or 'the checkpoint'} holds the memories of {B} streams, but the train loader gives batches of "
+                             f"{loader_B}: resume with the same loader (batch_size={B}); the memories belong to those streams")
         check_model(meta, self.model, path or 'the checkpoint'); _set_weights(self.model, tensors, path or 'the checkpoint')
         for name, opt in (('opt', self.opt), ('copt', self.copt)):
             saved = name in meta['skeleton']
@@ -540,7 +556,7 @@ class Trainer:
         for n, p in self.model.named_parameters():
             g = tensors.get(f'grad.{n}')
             p.grad = None if g is None else g.to(p.device, p.dtype)
-        self.state, B = None, meta.get('state_batch_size')
+        self.state = None
         if 'state' in meta['skeleton']:                                          # the global batch's memories: take our rows
             if B % self.world: raise ValueError(f"{path or 'the checkpoint'} holds the memories of {B} streams, which cannot be "
                                                 f"split over {self.world} processes: resume on a number of processes that divides {B}")
@@ -553,6 +569,10 @@ class Trainer:
         self._batch_size = None if B is None else B // self.world
         self.n_skipped = meta.get('n_skipped', 0)
         if self.scaler is not None and 'scaler' in meta: self.scaler.load_state_dict(meta['scaler'])
+        ratio = (self.scaler.get_scale() if self.scaler is not None else 1.0) / meta.get('scaler', {}).get('scale', 1.0)
+        if ratio != 1:                                                           # pending gradients: from the saved loss scale to ours
+            for p in self.params + self.comp_params:
+                if p.grad is not None: p.grad.mul_(ratio)
         saved = meta.get('precision', self.precision)
         if saved != self.precision:
             warnings.warn(f"{path or 'the checkpoint'} was trained in {saved} and resumes in {self.precision} ({self.device}): "

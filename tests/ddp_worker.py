@@ -1,12 +1,13 @@
 """The processes of tests/test_ddp.py: run as `python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py
 PHASE OUT` (2 ranks, gloo on the CPU) or as `python tests/ddp_worker.py PHASE OUT` (one process). Not a test file itself."""
-import sys
+import json, signal, sys
+from dataclasses import asdict
 from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from compressive_tutorial.data import StreamLoader
 from compressive_tutorial.model import CompressiveTransformer, CTConfig
-from compressive_tutorial.train import Trainer, TrainConfig, init_distributed, dist_rank_world, seed_everything
+from compressive_tutorial.train import Trainer, TrainConfig, TrainingInterrupted, init_distributed, dist_rank_world, seed_everything
 
 B, N_S = 4, 8
 CFG = TrainConfig(lr_max=1e-3, warmup_steps=3, decay_steps=20, update_every=2, update_every_after=5, clip_norm=None, progress=False)
@@ -18,7 +19,16 @@ def make(seed=0):
     model = CompressiveTransformer(CTConfig(d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=N_S, n_m=8, n_cm=4, c=2,
                                             compression='conv', compression_loss='attention'))
     tokens = torch.randint(0, 256, (B * N_S * 5 + 3,), generator=torch.Generator().manual_seed(1))   # the last window is padded
-    return model, StreamLoader(tokens, batch_size=B, n_s=N_S)
+    M = len(tokens) - 1; starts = [b * M // B for b in range(B)]
+    docs = [0] + [starts[b] + 2 * N_S + 1 for b in (2, 3)]   # documents start in window 2 of streams 2 and 3 (rank 1's): its
+    return model, StreamLoader(tokens, batch_size=B, n_s=N_S, doc_starts=docs)   # memories refill, no aux loss for some windows
+
+
+def spy_aux_share(t):
+    "Record world / (ranks with an aux loss) of every window: 1.0 on 2 ranks means one rank had none."
+    seen, share = [], t._aux_share
+    t._aux_share = lambda has: seen.append(share(has)) or seen[-1]
+    return seen
 
 
 def spy_grads(t):
@@ -36,13 +46,14 @@ def spy_grads(t):
 
 def main(phase, out):
     out = Path(out)
-    init_distributed()
+    init_distributed(device='cpu')                         # gloo on the CPU, on a machine with GPUs too
     torch.set_num_threads(1)
     rank, world = dist_rank_world()
     if phase in ('first', 'single'):                       # the gradients of every update of 8 windows (one pass and more)
         model, dl = make(); t = Trainer(model, dl, cfg=CFG)
-        seen = spy_grads(t); t.fit(8)
-        if rank == 0: save_file({f'{j}.{k}': v for j, s in enumerate(seen) for k, v in s.items()}, str(out/f'grads-{world}.safetensors'))
+        seen, shares = spy_grads(t), spy_aux_share(t); t.fit(8)
+        if rank == 0: save_file({f'{j}.{k}': v for j, s in enumerate(seen) for k, v in s.items()} | {'aux_share': torch.tensor(shares)},
+                                str(out/f'grads-{world}.safetensors'))
     if phase == 'first':                                  # A: 12 steps straight; B: 6 steps, checkpointed (2 ranks)
         model, dl = make(); Trainer(model, dl, cfg=CFG, ckpt_dir=out/'A').fit(12)
         model, dl = make(); Trainer(model, dl, cfg=CFG, ckpt_dir=out/'B').fit(6)
@@ -55,6 +66,19 @@ def main(phase, out):
         t.fit(12)
     if phase == 'single':                                 # one process straight through, for the printed difference
         model, dl = make(); Trainer(model, dl, cfg=CFG, ckpt_dir=out/'A1').fit(12)
+    if phase == 'signals':                                # SIGTERM on rank 0 alone, at step 3, just after the stop agreement
+        got = {}
+        for where in ('_agree', 'evaluate'):              # ... after its all-reduce returned / in the evaluation that follows it
+            model, dl = make()
+            t = Trainer(model, dl, dl, cfg=TrainConfig(**{**asdict(CFG), 'eval_every': 1, 'eval_batches': 1}), ckpt_dir=out/where)
+            def late(*a, _f=getattr(t, where), _t=t, **k):
+                res = _f(*a, **k)
+                if rank == 0 and _t.step == 3: signal.raise_signal(signal.SIGTERM)
+                return res
+            setattr(t, where, late)
+            try: t.fit(12); got[where] = None
+            except TrainingInterrupted as e: got[where] = [e.signum, e.step]
+        (out/f'signals-{rank}.json').write_text(json.dumps(got))
     if world > 1: torch.distributed.destroy_process_group()
 
 

@@ -1,7 +1,8 @@
 """DistributedDataParallel on the CPU with the gloo backend and 2 processes started by torchrun (notebook 06, "Many GPUs"):
-the gradients of DDP steps equal those of one process on the same global batch, and a run checkpointed on 2 ranks resumes
-on 2 ranks bit for bit and on 1 rank up to floating-point summation order. The processes are tests/ddp_worker.py."""
-import os, subprocess, sys
+the gradients of DDP steps equal those of one process on the same global batch (also in windows where one rank has no
+auxiliary loss), a run checkpointed on 2 ranks resumes on 2 ranks bit for bit and on 1 rank up to floating-point summation
+order, and a signal that reaches one rank stops every rank after the same window. The processes are tests/ddp_worker.py."""
+import json, os, subprocess, sys
 from pathlib import Path
 import pytest
 import torch
@@ -13,9 +14,9 @@ ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1'}
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
 
 
-def launch(phase, out, ranks):
+def launch(phase, out, ranks, timeout=600):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}'] if ranks > 1 else [sys.executable]
-    r = subprocess.run(cmd + [str(WORKER), phase, str(out)], env=ENV, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd + [str(WORKER), phase, str(out)], env=ENV, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f'{phase} on {ranks} rank(s) failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}'
 
 
@@ -29,6 +30,7 @@ def runs(tmp_path_factory):
 
 def test_ddp_gradients_equal_one_process(runs):
     ddp, one = load_file(str(runs/'grads-2.safetensors')), load_file(str(runs/'grads-1.safetensors'))
+    assert (ddp.pop('aux_share') == 1).any() and (one.pop('aux_share') == 1).all()   # windows where rank 1 had no aux loss
     assert sorted(ddp) == sorted(one) and any(k.split('.')[1] == 'copt' for k in ddp)   # both optimisers, every update
     assert len({k.split('.')[0] for k in ddp if k.split('.')[1] == 'opt'}) == 6         # 8 windows: 5 single updates + 1 group of 2
     for k in one:                                    # tolerance: float32 summation order (2 halves + all-reduce vs one sum)
@@ -55,6 +57,14 @@ def test_resume_on_one_rank_continues_the_run(runs):
     assert max(worst.values()) < 1e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:3]   # summation order only
     one = load_checkpoint(runs/'A1'/'last.safetensors')
     print('1 rank straight vs 2 ranks straight:', max((one[0][k] - a[0][k]).abs().max().item() for k in worst))
+
+
+def test_signal_on_one_rank_stops_every_rank(tmp_path):
+    "SIGTERM on rank 0 just after a step's stop agreement (after its all-reduce, or in the evaluation after it): not lost, not split."
+    launch('signals', tmp_path, 2, timeout=300)      # before the fix: the first one was lost, the second one hung rank 1
+    got = [json.loads((tmp_path/f'signals-{r}.json').read_text()) for r in (0, 1)]
+    assert got[0] == got[1] == {'_agree': [15, 4], 'evaluate': [15, 4]}, got   # SIGTERM, both ranks after window 4
+    for where in ('_agree', 'evaluate'): assert load_checkpoint(tmp_path/where/'last.safetensors')[1]['step'] == 4
 
 
 def test_ct_train_under_torchrun(tmp_path):

@@ -36,6 +36,15 @@ def test_run_and_merge(tmp_path, monkeypatch):
     assert outputs(out) == ['', 'fast\n', 'slow\n', '2\n', '']   # other flags: the gpu cell is skipped, its old output kept
 
 
+def test_run_only_named_cells(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    nb = notebook(tmp_path / 'd.ipynb', 'x = 1', '#| gpu\nprint("a")', '#| gpu\nprint("b", x)')
+    out = tmp_path / 'd_out.ipynb'
+    assert gc.main(['run', str(nb), '--out', str(out), '--cells', 'c2']) == 0
+    assert outputs(out) == ['', '', 'b 1\n']                     # c1 skipped, the unflagged c0 ran
+    with pytest.raises(SystemExit, match='not flagged'): gc.main(['run', str(nb), '--out', str(out), '--cells', 'c0'])
+
+
 def test_error_stops_and_keeps_what_ran(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     nb = notebook(tmp_path / 'b.ipynb', '#| gpu\nprint("first")', '#| gpu\nraise ValueError("boom")', '#| gpu\nprint("after")')

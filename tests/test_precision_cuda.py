@@ -1,5 +1,6 @@
 """On a GPU: each precision's training step (bf16 autocast where the GPU has bf16 units, fp16 with a loss scaler, fp32), the
-automatic choice, and an exact checkpoint round trip under each (the fp16 loss scale included). Notebook 06 tests the choice
+automatic choice, an exact checkpoint round trip under each (the fp16 loss scale included), and an fp16 checkpoint taken in
+the middle of an update group resumed in bf16 or fp32 (its pending gradients unscaled). Notebook 06 tests the choice
 on the CPU through a mock of the capability query; these run the real thing. Skipped without CUDA."""
 import os
 os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')    # deterministic cuBLAS: set before CUDA starts in this process
@@ -13,11 +14,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a C
 PRECISIONS = ['bf16', 'fp16', 'fp32']
 
 
-def make(precision, seed=0):
+def make(precision, seed=0, **cfg):
     seed_everything(seed)
     model = CompressiveTransformer(CTConfig(d_model=64, n_heads=4, n_layers=2, d_ff=128, n_s=16, n_m=16, n_cm=8, c=2,
                                             compression='conv', compression_loss='attention')).cuda()
-    cfg = TrainConfig(lr_max=1e-3, warmup_steps=2, decay_steps=20, update_every_after=10**6, log_every=2, precision=precision, progress=False)
+    cfg = TrainConfig(**dict(lr_max=1e-3, warmup_steps=2, decay_steps=20, update_every_after=10**6, log_every=2, progress=False) | cfg,
+                      precision=precision)
     data = torch.Generator().manual_seed(1)
     return Trainer(model, StreamLoader(torch.randint(0, 256, (4 * 16 * 9 + 1,), generator=data), batch_size=4, n_s=16), cfg=cfg)
 
@@ -63,3 +65,19 @@ def test_checkpoint_round_trip_is_exact(precision, tmp_path):
         if precision == 'fp16': assert a.scaler.get_scale() == c.scaler.get_scale()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize('new', ['bf16', 'fp32'])
+def test_fp16_group_resumes_unscaled(new, tmp_path):
+    "An fp16 checkpoint in the middle of a §5.5.1 group, resumed in bf16 or fp32: the pending gradients lose the loss scale."
+    need(new)
+    group = dict(update_every=4, update_every_after=4)                        # windows 4..7: one update
+    b = make('fp16', **group); b.fit(6); path = b.save(tmp_path/'mid.safetensors')
+    c = make(new, seed=99, **group)
+    with pytest.warns(UserWarning, match='not bit for bit'): c.load(path)
+    scale = b.scaler.get_scale()
+    assert scale > 1 and c.scaler is None
+    for p, q in zip(b.params + b.comp_params, c.params + c.comp_params):
+        assert p.grad is not None and torch.equal(q.grad, p.grad / scale)
+    c.fit(8)                                                                  # the group's update, in the new precision
+    assert all(p.grad is None for p in c.params) and c.n_updates == b.n_updates + 1
