@@ -461,9 +461,20 @@ def resume_command(run:Run, cache=None) -> str:
     "The command that continues `run`, ready to paste into a shell."
     return shlex.join(['ct', 'train', '--out', str(run.path), '--resume'] + (['--cache', str(cache)] if cache else []))
 
+def _asked_device(args) -> str|None:
+    "The device a `ct train` call's run will use, known before any process group exists: --device, --set device=, a resumed run's own; None: auto."
+    if args.resume:
+        try: name = Run.load(Path(args.out)).run.device
+        except Exception: return None                                  # run_from_args says what is wrong with the folder
+    else:
+        sets = [s.partition('=')[2].strip() for s in [*args.sets, *([f'device={args.device}'] if args.device else [])]
+                if s.partition('=')[0].strip() == 'device']
+        name = sets[-1] if sets else None                              # the presets say 'auto'
+    return name if name and re.fullmatch(DEVICES, name) else None      # anything else: refused by run_from_args
+
 def train_command(args, download=download_file) -> int:
     "`ct train`: train (or continue) a run and report its validation bits per byte; an interrupt saves it and says how to go on."
-    ddp = init_distributed()                                           # under torchrun: join the other processes
+    ddp = init_distributed(device=_asked_device(args))                 # under torchrun: join the other processes (a CPU run: gloo)
     try: return _train(args, download)
     finally:
         if ddp: dist.destroy_process_group()
