@@ -234,6 +234,7 @@ class CompressiveTransformer(TransformerXL):
         self.record_aux = False                      # also compute the aux losses without gradients (as metrics)
         self.compression_hook = None                 # optional hook(i, h, old, new_cm), called after each layer's update
         self.aux_loss, self.aux_losses = None, [None] * cfg.n_layers
+        self.aux_rows = 0                            # streams x windows the aux losses averaged over (DDP weighs ranks by it)
         self.aux_graph_disjoint = True               # aux_loss reads only detached tensors: its graph shares no node with the task loss's
 
     def compression_parameters(self):
@@ -283,6 +284,7 @@ class CompressiveTransformer(TransformerXL):
         need_probs = self.record_attention or self.track_usage
         if self.record_attention: self.attention_records = [None] * L
         auxes = [[] for _ in range(L)]                                           # per layer, one entry per window
+        self.aux_rows = 0
         h, st = self._run_windows(x, first, state, n_m=n_m, n_cm=n_cm, need_probs=need_probs, auxes=auxes)   # (B, T, d)
         per_layer = [torch.stack(a).mean() if a else None for a in auxes]        # each layer: mean over the call's windows
         self.aux_losses = [None if a is None else a.detach() for a in per_layer]
@@ -311,7 +313,9 @@ class CompressiveTransformer(TransformerXL):
         "Layer i's auxiliary loss on the memories it just evicted; skipped (None) without gradients unless `record_aux`."
         if not (torch.is_grad_enabled() or self.record_aux): return None
         g = None if self.decoders is None else self.decoders[i]
-        return layer_compression_loss(self.layers[i], h, old, new_cm, self.compression_loss, g, proj)
+        loss = layer_compression_loss(self.layers[i], h, old, new_cm, self.compression_loss, g, proj)
+        if loss is not None and i == 0: self.aux_rows = self.aux_rows + old.valid.all(1).sum()   # the same streams qualify in every layer
+        return loss
 
     def _layer_step(self, i:int, h:Tensor, first:Tensor|None, ends:tuple, m:Memory, cm:Memory, window:Memory,
                     usage, age, n_m:int, n_cm:int, need_probs:bool) -> tuple:

@@ -348,7 +348,8 @@ class Trainer:
         task_params = self.params + (self.comp_params if not train_aux else [])  # no trained aux loss (BPTT): task loss trains f_c
         keep = train_aux and not getattr(model, 'aux_graph_disjoint', False)     # a shared graph must survive the first backward
         torch.autograd.backward(scaled(loss * (share / k)), inputs=task_params, retain_graph=keep)   # DDP averages these
-        aux_share = self._aux_share(train_aux) if self.copt is not None else 0.0   # DDP: every rank takes part in the count
+        rows = (getattr(model, 'aux_rows', None) if train_aux else 0)            # the streams this rank's aux loss averaged over
+        aux_share = self._aux_share(1 if rows is None else rows) if self.copt is not None else 0.0   # DDP: every rank takes part
         if train_aux: torch.autograd.backward(scaled(aux * (aux_share / k)), inputs=self.comp_params)
         average_grads(self.comp_params, self.world, self.device)                 # outside DDP: averaged here
         layers = getattr(model, 'aux_losses', None)                              # per-layer values, for the history
@@ -365,12 +366,13 @@ class Trainer:
                    tokens=n, grad_norm=grad_norm, skipped=int(update and not math.isfinite(grad_norm)))
         return self._reduce(out) if self.world > 1 else out
 
-    def _aux_share(self, has_aux:bool # whether this rank's aux loss trains f_c in this window
-                  ) -> float: # world / (ranks with an aux loss in this window); 1 in one process
-        "DDP: the weight of this rank's aux loss that turns `average_grads`' mean over all ranks into a mean over the ranks that have one."
+    def _aux_share(self, rows # the streams this rank's aux loss averaged over in this window (0: none; a model without `aux_rows`: 1)
+                  ) -> float: # world x this rank's share of all ranks' streams; 1 in one process
+        "DDP: the weight of this rank's aux loss that turns `average_grads`' mean over ranks into the mean over all the streams, as one process takes it."
         if self.world == 1: return 1.0
-        n = all_sum([has_aux], self.device)[0]
-        return self.world / n if n else 0.0
+        n = float(rows)
+        total = all_sum([n], self.device)[0]
+        return self.world * n / total if total else 0.0
 
     def _reduce(self, out:dict) -> dict:
         "DDP: the step's loss, tokens and auxiliary losses of the whole batch, the same on every rank."

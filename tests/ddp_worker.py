@@ -20,14 +20,14 @@ def make(seed=0):
                                             compression='conv', compression_loss='attention'))
     tokens = torch.randint(0, 256, (B * N_S * 5 + 3,), generator=torch.Generator().manual_seed(1))   # the last window is padded
     M = len(tokens) - 1; starts = [b * M // B for b in range(B)]
-    docs = [0] + [starts[b] + 2 * N_S + 1 for b in (2, 3)]   # documents start in window 2 of streams 2 and 3 (rank 1's): its
-    return model, StreamLoader(tokens, batch_size=B, n_s=N_S, doc_starts=docs)   # memories refill, no aux loss for some windows
+    docs = [0, starts[2] + 2 * N_S + 1, starts[3] + 3 * N_S + 1]   # documents start in windows 2 and 3 of streams 2 and 3 (rank 1's):
+    return model, StreamLoader(tokens, batch_size=B, n_s=N_S, doc_starts=docs)   # rank 1 then has 1 or 0 streams with an aux loss
 
 
 def spy_aux_share(t):
-    "Record world / (ranks with an aux loss) of every window: 1.0 on 2 ranks means one rank had none."
+    "Record the weight of every window's aux loss on this rank: world x its share of the qualifying streams."
     seen, share = [], t._aux_share
-    t._aux_share = lambda has: seen.append(share(has)) or seen[-1]
+    t._aux_share = lambda rows: seen.append(share(rows)) or seen[-1]
     return seen
 
 
