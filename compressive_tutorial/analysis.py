@@ -230,7 +230,7 @@ def plot_attention_buckets(result:AttentionBuckets, # from `collect_attention`
                 raise ValueError(f"layer={layer!r}: use None (overall), 'all', or an int in [0, {result.n_layers - 1}].")
             mean, sem, what = result.mean[layer].numpy(), result.sem[layer].numpy(), f'layer {layer + 1} of {result.n_layers}'
         colors = [SEGMENT_COLORS[s] for s in SEGMENTS for _ in range(nb)]
-        ax.bar(x, np.nan_to_num(mean), yerr=np.nan_to_num(sem), color=colors, edgecolor='k', lw=.5, capsize=2, ecolor='k')
+        ax.bar(x, mean, yerr=sem, color=colors, edgecolor='k', lw=.5, capsize=2, ecolor='k')   # an empty bucket (NaN): no bar, not a 0
     ax.set_xticks(x, [str(b + 1) for _ in SEGMENTS for b in range(nb)], fontsize=8)
     ax.set_xlim(-.6, 3 * nb - .4)
     ax.set_xlabel('bucket (oldest -> newest within each segment)')

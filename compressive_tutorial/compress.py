@@ -18,6 +18,7 @@ def check_divisible(n:int, # number of memories to compress (the window n_s, in 
                     what:str='old memories' # what the n things are, for the error message
                    ):
     "Raise a `ValueError` that says which sizes to change unless `c` divides `n`."
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1: raise ValueError(f"the compression rate c={c!r} must be a positive int.")
     if n % c == 0: return
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     lo, hi = (n // c) * c, (n // c + 1) * c
@@ -166,7 +167,7 @@ class MostUsed(Compressor):
                              "accumulate it with `attention_usage` and pass f_c(old, usage)")
         if usage.shape != (B, n):
             raise ValueError(f"usage must be (B, n) = {(B, n)} to match the old memories, got {tuple(usage.shape)}")
-        if valid is not None: usage = usage.masked_fill(~valid, -1.) # another episode's memories rank last (usage >= 0)
+        if valid is not None: usage = usage.masked_fill(~valid, float('-inf')) # another episode's memories rank last
         keep = most_used_indices(usage, self.c) # (B, n/c)
         return old.gather(1, keep[..., None].expand(B, n // self.c, d)) # (B, n/c, d)
 

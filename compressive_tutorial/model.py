@@ -234,7 +234,7 @@ class CompressiveTransformer(TransformerXL):
         self.record_aux = False                      # also compute the aux losses without gradients (as metrics)
         self.compression_hook = None                 # optional hook(i, h, old, new_cm), called after each layer's update
         self.aux_loss, self.aux_losses = None, [None] * cfg.n_layers
-        self.aux_rows = 0                            # streams x windows the aux losses averaged over (DDP weighs ranks by it)
+        self.aux_rows = 0                            # streams whose evictions entered the aux losses, summed over windows (DDP weighs ranks by it)
         self.aux_graph_disjoint = True               # aux_loss reads only detached tensors: its graph shares no node with the task loss's
 
     def compression_parameters(self):
@@ -306,6 +306,9 @@ class CompressiveTransformer(TransformerXL):
                              f"{L} layers and tokens batch {B}: pass state=None or model.init_state({B}).")
         if self.track_usage and any(u is None for u in state.usage):
             raise ValueError("most-used needs the usage of every memory slot, but state.usage has None: start from model.init_state(B).")
+        if not self.track_usage and any(u is not None for u in state.usage):
+            raise ValueError(f"state holds most-used usage but this model compresses with {self.cfg.compression!r}: it was made by "
+                             f"another model; start from model.init_state({B}).")
         if state.age is None: state = replace(state, age=[None if u is None else torch.zeros_like(u) for u in state.usage])
         return super()._check_state(state, x)                                  # the open window
 

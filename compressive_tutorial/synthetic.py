@@ -210,7 +210,7 @@ class RecallConfig:
     c:int = 4                         # compression rate
     compression:str = 'mean_pool'     # f_c; 'mean_pool' has no parameters (nothing to train)
     compression_loss:str = 'none'     # how f_c learns; 'none' for a parameter-free f_c
-    n_layers:int = 1                  # l: layers of both models (the reach formula above is for l = 1)
+    n_layers:int = 1                  # l: layers of both models; 1 only: the reach and prediction formulas above are for one layer
     d_model:int = 32                  # d: width
     n_heads:int = 4                   # attention heads
     d_ff:int = 64                     # MLP hidden width
@@ -232,6 +232,9 @@ class RecallConfig:
             raise ValueError(f"unequal attention cost: Transformer-XL reads n_s + txl_n_m = {self.n_s + self.txl_n_m} keys per query, "
                              f"the Compressive Transformer n_s + ct_n_m + n_cm = {self.n_s + self.ct_n_m + self.n_cm}: "
                              f"set txl_n_m = ct_n_m + n_cm = {self.ct_n_m + self.n_cm}.")
+        if self.n_layers != 1:
+            raise ValueError(f"RecallConfig.n_layers={self.n_layers!r}: the demo's reach and predicted accuracy are derived for "
+                             f"one layer (above); deeper models reach further (notebook 02's dependency_reach), so use n_layers=1.")
         for name in ('steps', 'batch_size', 'eval_batch_size', 'eval_queries'):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"RecallConfig.{name}={v!r} must be a positive int.")
@@ -336,7 +339,7 @@ def run_demo(cfg:RecallConfig|None=None, # the experiment (None: `RecallConfig()
              **overrides # RecallConfig fields to change, e.g. steps=1000, seed=1, distances=(16, 56)
             ) -> dict: # config, distances, accuracy and predicted per model, costs, reach, timings, hardware, models
     "Train Transformer-XL and the Compressive Transformer at equal attention cost on cue recall and compare them by D."
-    cfg = RecallConfig(**{**(asdict(cfg) if cfg is not None else {}), **overrides}) if overrides or cfg is None else cfg
+    cfg = replace(cfg or RecallConfig(), **overrides)                  # replace keeps the task's class, and checks again
     old_threads = torch.get_num_threads()
     if threads is not None and torch.device(device).type == 'cpu': torch.set_num_threads(threads)
     t0 = time.perf_counter()

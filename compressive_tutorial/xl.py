@@ -131,7 +131,7 @@ class XLLayer(nn.Module):
         return self.attn.project_kv(self.ln1(x) if self.pre_ln else x)
 
     def kv_tag(self) -> tuple:
-        "Identity of the weights behind `project_memory`: (storage, in-place version) each; any update changes it."
+        "Identity of the weights behind `project_memory`: (storage, in-place version) each; an optimiser step or `load_state_dict` changes it, a write through `p.data` does not."
         ps = [self.attn.k.weight, self.attn.v.weight] + ([self.ln1.weight, self.ln1.bias] if self.pre_ln else [])
         return tuple((p.data_ptr(), p._version) for p in ps)
 
@@ -286,6 +286,10 @@ class TransformerXL(nn.Module):
         if state.batch_size != B or len(state.memories) != len(self.layers):
             raise ValueError(f"state holds {len(state.memories)} layers x batch {state.batch_size} but the model has "
                              f"{len(self.layers)} layers and tokens batch {B}: pass state=None or model.init_state({B}).")
+        dt = self.emb.weight.dtype
+        if state.memories[0].mem.dtype != dt:                                  # e.g. model.double() between two calls
+            raise ValueError(f"state holds {state.memories[0].mem.dtype} memories but the model's weights are {dt}: start "
+                             f"from model.init_state({B}) after changing the model's dtype (or change it back).")
         if state.window is None: state = replace(state, window=self._empty(B, x.device))    # a state made without one
         if state.open_steps >= self.cfg.n_s:
             raise ValueError(f"state has an open window of {state.open_steps} steps but n_s={self.cfg.n_s}: it was made by another model.")
