@@ -234,7 +234,7 @@ class RecallConfig:
                              f"set txl_n_m = ct_n_m + n_cm = {self.ct_n_m + self.n_cm}.")
         if self.n_layers != 1:
             raise ValueError(f"RecallConfig.n_layers={self.n_layers!r}: the demo's reach and predicted accuracy are derived for "
-                             f"one layer (above); deeper models reach further (notebook 02's dependency_reach), so use n_layers=1.")
+                             f"one layer (notebook 08); deeper models reach further (notebook 02's dependency_reach), so use n_layers=1.")
         for name in ('steps', 'batch_size', 'eval_batch_size', 'eval_queries'):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"RecallConfig.{name}={v!r} must be a positive int.")
