@@ -107,6 +107,7 @@ def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
                          f'(e.g. ffmpeg -i {path.name} {path.stem}.flac), or remove it from the folder.') from None
     n, channels = x.shape
     if n == 0: raise ValueError(f'{path} is empty (0 samples): remove it from the folder, or record it again.')
+    if not np.isfinite(x).all(): raise ValueError(f'{path} holds NaN or infinite samples: the file is damaged; remove it, or export it again.')
     if channels > 1 and not downmix:
         raise ValueError(f'{path} has {channels} channels but the models read mono audio: pass downmix=True to average '
                          f'the channels, or convert the file (e.g. ffmpeg -i {path.name} -ac 1 {path.stem}-mono.flac).')
@@ -279,6 +280,7 @@ def save_codes(data:dict, # {split: Corpus} of µ-law codes (`load_ljspeech()`)
               ) -> Path:
     "Keep µ-law corpora in one compressed .npz: per split its codes, clip starts and clip ids."
     path = Path(path)
+    if path.suffix != '.npz': path = path.with_name(path.name + '.npz')       # what numpy writes; return that name
     arrays = {}
     for s, c in data.items():
         arrays.update({f'{s}.tokens': c.tokens, f'{s}.doc_starts': c.doc_starts, f'{s}.names': np.asarray(c.names, dtype=str)})
@@ -466,6 +468,8 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
     for k, v in (('steps', steps), ('batch_size', batch_size), ('chunk', chunk), ('eval_every', eval_every),
                  ('eval_streams', eval_streams), ('eval_chunks', eval_chunks)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f'{k}={v!r} must be a positive int')
+    if time_budget_s is not None and folder is None:
+        raise ValueError('time_budget_s needs folder=...: without a checkpoint, a run stopped at its budget would start again from step 0')
     build_model(kind, cfg)                                                          # checks kind and config first
     if kind != 'wavenet':
         if chunk % cfg.n_s: raise ValueError(f'chunk={chunk} must be a multiple of the window n_s={cfg.n_s}: the transformers unroll over whole windows')
@@ -622,11 +626,12 @@ def gpu_run(kind:str, # 'txl', 'ct' or 'wavenet'
             seed:int=0,
             data:dict|str|Path|None=None, # µ-law corpora, or a `save_codes` .npz file (None: the shared clips, `load_ljspeech()`; Colab: `load_ljspeech(get_ljspeech())`)
             steps:int=GPU_STEPS,
-            time_budget_s:float|None=480, # stop after the first evaluation past this (None: run to the end)
+            time_budget_s:float|None=420, # stop after the first evaluation past this (None: run to the end); leaves room for an evaluation interval, the last validation and start-up in a 10-minute command
             folder=None, # where runs are kept (None: data_cache_dir()/'runs'/'11_speech'/'gpu')
             device='cuda',
            ) -> dict: # the result of `speech_run` (done=False: call again to continue)
     "One run of the paper-scaled comparison, resumable: call it again with the same arguments until it returns done=True."
+    if kind not in KINDS: raise ValueError(f"kind={kind!r}: use one of {KINDS}")
     data = load_ljspeech() if data is None else load_codes(data) if isinstance(data, (str, Path)) else data
     folder = data_cache_dir()/'runs'/'11_speech'/'gpu' if folder is None else folder
     return speech_run(kind, paper_scaled_configs()[kind], gpu_train_config(steps), steps=steps, data=data, batch_size=8,
