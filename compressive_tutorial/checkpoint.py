@@ -28,6 +28,8 @@ def flatten_tree(obj, # tensors, numbers, strings, None, lists, tuples, str/int-
     tensors = {}
     def go(o, path):
         if isinstance(o, Tensor):
+            if path in tensors: raise ValueError(f"two tensors would both be saved as {path!r} (keys such as '1' and 1, or 'a.b' and "
+                                                 "'a' -> 'b', give the same name), so one would be lost: rename one of the keys.")
             tensors[path] = o.detach().to('cpu', copy=True).contiguous(); return {'T': path}
         if o is None or isinstance(o, (bool, int, float, str)): return {'V': o}
         if dataclasses.is_dataclass(o) and not isinstance(o, type):
