@@ -76,7 +76,10 @@ class Document:
 
 def _check_doc_starts(doc_starts, n:int) -> np.ndarray:
     "Validated document starts: strictly increasing ints in [0, n), beginning with 0."
-    ds = np.zeros(1, dtype=np.int64) if doc_starts is None else np.asarray(doc_starts, dtype=np.int64).reshape(-1)
+    raw = np.zeros(1, dtype=np.int64) if doc_starts is None else np.asarray(doc_starts).reshape(-1)
+    if raw.size and not (np.issubdtype(raw.dtype, np.integer) or (raw == np.round(raw)).all()):
+        raise ValueError(f'doc_starts must be integer token positions, got {raw[raw != np.round(raw)][:3].tolist()}')
+    ds = raw.astype(np.int64)
     if n == 0: return ds[:0]
     if ds.size == 0 or ds[0] != 0: ds = np.concatenate([[0], ds])
     if (np.diff(ds) <= 0).any(): raise ValueError('doc_starts must be strictly increasing token positions')
@@ -219,7 +222,8 @@ def _extract_checked(zpath:Path, member:str, dest:Path, size:int, md5:str, what:
     try: verify_file(part, size, md5, what=f'{what} (extracted from {zpath.name})')
     except ValueError as e:
         part.unlink(missing_ok=True)
-        raise ValueError(f'{e} (the zip itself is {zpath})') from None
+        raise ValueError(f'{zpath} does not hold the {what} it should ({e}). Delete the zip {zpath} and call again: it will '
+                         f'be downloaded again (or put a good copy there by hand).') from None
     part.replace(dest)
     return dest
 

@@ -210,7 +210,7 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     trainer = (Trainer.resume(ckpt, model, train_dl, valid_dl, tcfg, ckpt_dir=folder) if ckpt.exists()
                else Trainer(model, train_dl, valid_dl, tcfg, ckpt_dir=folder))
     start, t0 = trainer.step, time.perf_counter()
-    row = dict(session=os.urandom(6).hex(), start_step=start, hardware=hardware(dev), date=time.strftime('%Y-%m-%d %H:%M'))
+    row = dict(session=os.urandom(6).hex(), start_step=start, hardware=hardware(dev, tcfg.precision), date=time.strftime('%Y-%m-%d %H:%M'))
     if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats(dev)
     while trainer.step < preset.steps:                                  # chunks of ckpt_every; fit saves after each
         try: trainer.fit(min(preset.steps, (trainer.step // preset.ckpt_every + 1) * preset.ckpt_every))

@@ -11,7 +11,7 @@ from dataclasses import asdict, fields, MISSING
 from pathlib import Path
 import torch
 from safetensors.torch import save_file, load_file
-from .data import StreamLoader, encode_documents, load_books
+from .data import Corpus, StreamLoader, encode_documents, load_books
 from .xl import XLConfig
 from .model import CTConfig, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
@@ -56,6 +56,11 @@ def _nondefault(obj) -> dict:
         if getattr(obj, f.name) != default: out[f.name] = getattr(obj, f.name)
     return out
 
+def _digest(corpus) -> str:
+    "A short hash of a corpus's tokens and document starts: a run's key sees the text, not only its size."
+    h = hashlib.sha1(corpus.tokens.tobytes()); h.update(corpus.doc_starts.tobytes())
+    return h.hexdigest()[:12]
+
 def _run_key(spec:dict) -> str:
     "A short hash of everything that determines a run."
     return hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -90,6 +95,8 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
     missing = [s for s in ('train', 'valid', 'test') if s not in data]
     if missing: raise ValueError(f"data has no split(s) {missing}: pass {{'train': ..., 'valid': ..., 'test': ...}} (e.g. books_corpora())")
     if not isinstance(train_cfg, TrainConfig): raise TypeError(f"train_cfg must be a TrainConfig, got {type(train_cfg).__name__}")
+    for s in ('train', 'valid', 'test'):
+        if not isinstance(data[s], Corpus): raise TypeError(f"data[{s!r}] is a {type(data[s]).__name__}, not a Corpus: build one with encode_documents(docs) (notebook 00)")
     for k, v in (('steps', steps), ('batch_size', batch_size), ('eval_windows', eval_windows), ('eval_batch_size', eval_batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{k}={v!r} must be a positive int")
     build_model(model_kind, cfg)                                                      # checks kind and config before any work
@@ -99,7 +106,7 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
     dev = torch.device(device)
     spec = dict(kind=model_kind, cfg=_nondefault(cfg), train_cfg=_nondefault(train_cfg), steps=steps, batch_size=batch_size,
                 eval_windows=eval_windows, eval_batch_size=eval_batch_size, seed=seed, device=dev.type,
-                data={s: [len(data[s]), int(data[s].n_docs)] for s in ('train', 'valid', 'test')})
+                data={s: [len(data[s]), int(data[s].n_docs), _digest(data[s])] for s in ('train', 'valid', 'test')})
     key = _run_key(spec)
     if cache is not None:
         wpath, jpath = _cache_paths(cache, name, key)
@@ -126,7 +133,7 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
         if verbose: print(f'{name}: resuming at step {trainer.step} of {steps} from {ckpt}')
     else: trainer = Trainer(model, train_dl, valid_dl, train_cfg, ckpt_dir=ckpt)
     resumed_at = trainer.step
-    t0 = time.perf_counter(); trainer.fit(steps); _sync(dev); wall = time.perf_counter() - t0
+    trainer.fit(steps); _sync(dev); wall = trainer.train_s                            # training seconds over every session (checkpointed)
     t0 = time.perf_counter()
     ev = {s: evaluate(model, dl, max_batches=eval_windows) for s, dl in (('valid', valid_dl), ('test', test_dl))}
     _sync(dev); eval_s = time.perf_counter() - t0                                    # 4. record everything
@@ -136,7 +143,7 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
                eval_bytes=ev['valid']['tokens'], test_bytes=ev['test']['tokens'], wall_s=wall, eval_s=eval_s,
                curve=trainer.history, steps=steps, train_bytes=steps * batch_size * cfg.n_s, unroll=unroll,
                params=sum(p.numel() for p in model.parameters()), compression_params=n_comp,
-               hardware=hardware(dev), device=dev.type, seed=seed, resumed_at=resumed_at, key=key, cached=False, date=time.strftime('%Y-%m-%d %H:%M'),
+               hardware=hardware(dev, train_cfg.precision), device=dev.type, seed=seed, resumed_at=resumed_at, key=key, cached=False, date=time.strftime('%Y-%m-%d %H:%M'),
                **memory_summary(cfg), **{f'cfg.{k}': v for k, v in asdict(cfg).items()},
                **{f'train_cfg.{k}': v for k, v in asdict(train_cfg).items()},
                batch_size=batch_size, eval_windows=eval_windows, eval_batch_size=eval_batch_size)
@@ -153,7 +160,7 @@ def describe(res:dict) -> str:
     "One line: the result, how many bytes it was measured on, the wall time, the hardware and the config."
     cfg = {k[4:]: v for k, v in res.items() if k.startswith('cfg.') and k[4:] in ('d_model', 'n_heads', 'n_layers', 'd_ff', 'n_s', 'dropout')}
     how = f"trained {res['date']}" + (', loaded from the cache' if res.get('cached') else '')
-    if res.get('resumed_at'): how += f", resumed at step {res['resumed_at']} (the wall time is that last part's)"
+    if res.get('resumed_at'): how += f", resumed at step {res['resumed_at']} (the wall time counts every session up to its last checkpoint)"
     return (f"{res['name']}: valid {res['valid_bpb']:.3f}, test {res['test_bpb']:.3f} bits/byte "
             f"({res['eval_windows']} windows x {res['eval_batch_size']} streams = {res['eval_bytes']:,} bytes each) | "
             f"{res['steps']} steps x {res['batch_size']} x {res['cfg.n_s']} = {res['train_bytes']:,} training bytes in "

@@ -518,7 +518,7 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
                train_samples=steps * batch_size * chunk, wall_s=last['train_s'],
                eval_s=sum(h['eval_s'] for h in tests()) + time.perf_counter() - t0, curve=trainer.history,
                **{k: v for k, v in model_summary(kind, cfg).items() if k not in ('kind', 'name')},
-               hardware=hardware(dev), device=dev.type, seed=seed, key=key, cached=False, date=time.strftime('%Y-%m-%d %H:%M'),
+               hardware=hardware(dev, train_cfg.precision), device=dev.type, seed=seed, key=key, cached=False, date=time.strftime('%Y-%m-%d %H:%M'),
                cfg=asdict(cfg), train_cfg=asdict(train_cfg),
                eval_streams=eval_streams, eval_chunks=eval_chunks)
     if run_dir is not None: (run_dir/'result.json').write_text(json.dumps(res, default=str))

@@ -296,6 +296,7 @@ class Trainer:
                      if self.comp_params else None)
         self.step, self.n_updates = 0, 0       # iterations (windows) done; updates done (§5.5.1 groups completed)
         self.n_skipped = 0                     # fp16: updates the loss scaler skipped because a gradient overflowed
+        self.train_s = 0.0                     # seconds spent in `fit` up to the last checkpoint, over every session of the run
         self.epoch, self.window = 0, 0         # data position: the next window is `window` of pass `epoch`
         self.state = None                      # the memories carried into the next window (None: empty start)
         self._batch_size = None                # B of those memories (a checkpoint rebuilds them from init_state(B))
@@ -463,6 +464,7 @@ class Trainer:
         cfg = self.cfg
         bar = tqdm(total=steps, initial=self.step, disable=not cfg.progress or self.rank != 0, mininterval=1, ncols=100)
         t0, self._saved_at = time.perf_counter(), self._clock()
+        self._mark = time.perf_counter()                                    # train_s counts from here (see _tick)
         stopping = None                                                     # the signal all ranks agreed on (never stop.signum itself)
         try:
             while self.step < steps and stopping is None:
@@ -487,13 +489,18 @@ class Trainer:
                 if cfg.eval_every and self.valid_loader is not None and self.step % cfg.eval_every == 0 and stopping is None:
                     ev = self.evaluate(max_batches=cfg.eval_batches)
                     self.history.append(dict(step=self.step, **{f'valid_{k}': v for k, v in ev.items()}))
-                if due and stopping is None: self.save()                      # rule 1
+                if due and stopping is None: self._tick(); self.save()        # rule 1
                 bar.update(1)
         finally: bar.close()
         if stopping is None: stopping = self._agree(stop.signum, False)[0]  # a signal after the last agreement stops the run too
+        self._tick()
         if self.ckpt_dir is not None and self.checkpoint != (self.ckpt_dir/'last.safetensors', self.step): self.save()
         if stopping is not None:
             raise TrainingInterrupted(stopping, self.step, None if self.ckpt_dir is None else self.checkpoint[0])
+
+    def _tick(self):
+        "Add the seconds since the last tick to `train_s`: a checkpoint holds the training time up to itself, whatever the sessions."
+        now = time.perf_counter(); self.train_s += now - self._mark; self._mark = now
 
     def evaluate(self, loader=None, # windows to evaluate (None: the valid loader)
                  mem_len:int|None=None, # evaluation memory length (passed to forward as `n_m`)
@@ -508,7 +515,7 @@ class Trainer:
     def state_dict(self) -> tuple: # ({name: tensor}, JSON-able meta)
         "Everything the rest of the run depends on: weights, optimisers, gradients, memories (of all ranks), positions, RNGs, loss scale."
         tensors = {f'model.{k}': v for k, v in self.model.state_dict().items()}
-        meta = dict(step=self.step, n_updates=self.n_updates, n_skipped=self.n_skipped, epoch=self.epoch, window=self.window,
+        meta = dict(step=self.step, n_updates=self.n_updates, n_skipped=self.n_skipped, train_s=self.train_s, epoch=self.epoch, window=self.window,
                     model=model_meta(self.model), cfg=asdict(self.cfg), precision=self.precision, world=self.world,
                     history=self.history, acc=self._acc, skeleton={})
         if self.scaler is not None: meta['scaler'] = self.scaler.state_dict()   # fp16: the loss scale and its growth counter
@@ -569,7 +576,7 @@ class Trainer:
         acc = meta['acc']
         self.history, self._acc, self._stream = meta['history'], acc, None
         self._batch_size = None if B is None else B // self.world
-        self.n_skipped = meta.get('n_skipped', 0)
+        self.n_skipped, self.train_s = meta.get('n_skipped', 0), meta.get('train_s', 0.0)
         if self.scaler is not None and 'scaler' in meta: self.scaler.load_state_dict(meta['scaler'])
         ratio = (self.scaler.get_scale() if self.scaler is not None else 1.0) / meta.get('scaler', {}).get('scale', 1.0)
         if ratio != 1:                                                           # pending gradients: from the saved loss scale to ours
