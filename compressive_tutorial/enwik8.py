@@ -71,10 +71,10 @@ ENWIK8_PRESETS = {
                     ckpt_every=10, eval_every=20, eval_batches=2, log_every=5),
     'cpu': _preset('this notebook on a 2-core CPU: about 7 minutes of training, 4 of evaluation', 3, 128, 96, 16, 1_500, lr_max=2e-3,
                    ckpt_every=250, eval_every=250, eval_batches=8),
-    't4': _preset("Colab's free T4 (16 GB, fp16): about 3 hours", 12, 512, 384, 16, 50_000, dropout=0.1, ckpt_every=2_000),
-    'l4': _preset("Colab's L4 (24 GB, bf16): about 3 hours", 12, 768, 576, 16, 28_000, dropout=0.1, ckpt_every=2_000),
-    'a100': _preset("Colab's A100 (40 GB, bf16): about 3 hours", 12, 1024, 768, 16, 30_000, dropout=0.1, ckpt_every=2_000),
-    'h100': _preset("one H100 (80 GB, bf16): the paper's model and schedule, about 6 hours", 24, 1024, 768, 16, 104_000,
+    't4': _preset("Colab's free T4 (16 GB, fp16): about 2-3 hours (estimate)", 12, 512, 384, 16, 50_000, dropout=0.1, ckpt_every=2_000),
+    'l4': _preset("Colab's L4 (24 GB, bf16): about 2-3 hours (estimate)", 12, 768, 576, 16, 28_000, dropout=0.1, ckpt_every=2_000),
+    'a100': _preset("Colab's A100 (40 GB, bf16): about 2-3 hours (estimate)", 12, 1024, 768, 16, 30_000, dropout=0.1, ckpt_every=2_000),
+    'h100': _preset("one H100 (80 GB, bf16): the paper's model and schedule, about 5 hours (estimate)", 24, 1024, 768, 16, 104_000,
                     dropout=0.1, ckpt_every=2_000),
     'h100-books': _preset('a lent H100 without internet, the books as stand-in: one 30-minute session', 12, 1024, 768, 16,
                           6_000, dropout=0.1, ckpt_every=500, eval_every=1_000),
@@ -278,7 +278,7 @@ def plot_protocol(trainer:Trainer, # a trained run (its history)
 # %% ../nbs/13_enwik8.ipynb #e1567764
 def pick_preset(device=None, # a CUDA device (None: the current one)
                ) -> str: # a key of ENWIK8_PRESETS
-    "The preset for this machine: 't4', 'l4', 'a100' or 'h100' from the GPU's name; 'cpu' without CUDA."
+    "The preset for this machine: 't4', 'l4', 'a100' or 'h100' from the GPU's name; 'cpu' without CUDA (an L40S gets 'l4': safe, not its largest)."
     if not torch.cuda.is_available(): return 'cpu'
     name = torch.cuda.get_device_name(device)
     for key, preset in (('H100', 'h100'), ('H200', 'h100'), ('A100', 'a100'), ('L4', 'l4'), ('T4', 't4')):
