@@ -23,8 +23,9 @@ from .data import (
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
 from .train import (
-    TrainConfig, Trainer, TrainingInterrupted, NonFiniteError, RunFolderBusy, evaluate, sample, load_checkpoint, load_weights,
-    folder_lock, compression_parameters, seed_everything, lr_at, hardware, init_distributed, dist_rank_world)
+    TrainConfig, Trainer, evaluate, sample, compression_parameters, seed_everything, lr_at, hardware, init_distributed, dist_rank_world)
+from .checkpoint import (
+    TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, load_weights, folder_lock)
 from .bench import BENCH_CPU, BENCH_GPU, BenchConfig, RUNNERS, run_benchmark, report
 from .synthetic import RecallConfig, recall_models, run_demo
 

@@ -25,8 +25,8 @@ from tqdm import tqdm
 from .data import SPLITS, Corpus, StreamLoader, data_cache_dir, find_shared_data, download_file, sha256_file
 from .xl import TransformerXL, lm_loss
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
-from .train import (
-    TrainConfig, Trainer, compression_parameters, evaluate, hardware, load_weights, sample, seed_everything)
+from .train import TrainConfig, Trainer, compression_parameters, evaluate, hardware, sample, seed_everything
+from .checkpoint import load_weights
 from .experiments import equal_cost_pair, run_label, _nondefault, _run_key, _run_stem, _sync
 from .cli import n_params
 

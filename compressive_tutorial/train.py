@@ -24,7 +24,6 @@ from .data import word_perplexity
 from .checkpoint import (   # built and tested in the appendix (notebook 90)
     flatten_tree, unflatten_tree, rng_state, set_rng_state, previous_checkpoint, save_checkpoint, load_checkpoint,
     model_meta, check_model, _set_weights, NonFiniteError, TrainingInterrupted, StopSignals, RunFolderBusy, folder_lock)
-from .checkpoint import load_weights   # (not used here: kept importable from this module)
 
 # %% ../nbs/06_training.ipynb #797eedcf
 PRECISIONS = ('auto', 'bf16', 'fp16', 'fp32')   # TrainConfig.precision: 'auto' chooses by device (`choose_precision`)
