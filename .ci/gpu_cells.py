@@ -84,6 +84,12 @@ def standalone_problems(nb:dict, flags:frozenset=frozenset({'gpu'})) -> list:
     return out
 
 
+def _runnable(source:str) -> str:
+    "The code to give execnb for `source`: execnb drops all of a cell's stdout when it ends with ';' (Jupyter hides only its value), so end such a cell with `None` instead, which hides the value too."
+    s = source.rstrip()
+    return s[:-1] + '\nNone' if s.endswith(';') else source
+
+
 def run(nb_path:Path, out:Path, flags:set, cells:list|None=None) -> int:
     "Execute like `nbdev_test --flags FLAGS` (only the flagged `cells`, if given), keeping the outputs; write to `out` after each flagged cell; 0 if all ran."
     from execnb.nbio import read_nb, write_nb
@@ -98,8 +104,10 @@ def run(nb_path:Path, out:Path, flags:set, cells:list|None=None) -> int:
     sh, t_all = CaptureShell(nb_path.resolve()), time.time()
     for i, c in enumerate(nb.cells):
         if skipped(c, flags) or (cells is not None and flagged(c, flags) and c.get('id') not in cells): continue
-        t = time.time()
-        sh.cell(c)
+        t, shown = time.time(), c.source
+        c.outputs, c.source = [], _runnable(shown)              # a cell that now prints nothing keeps no stale outputs
+        try: sh.cell(c)
+        finally: c.source = shown
         err = [o for o in c.get('outputs', []) if o.get('output_type') == 'error']
         tag = ' [' + ','.join(sorted(flags & directives(c.source).keys())) + ']' if flagged(c, flags) else ''
         print(f'cell {i}{tag}: {time.time() - t:.1f} s' + (' ERROR' if err else ''), flush=True)

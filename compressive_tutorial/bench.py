@@ -17,7 +17,7 @@ from torch import Tensor
 from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer
 from .losses import CompressionLoss
-from .train import hardware
+from .train import DEVICES, hardware
 
 # %% ../nbs/15_performance.ipynb #b1500009
 IMPLS = ('ours-ct', 'ours-txl', 'ours-ct-compiled', 'ours-ct-noaux', 'lucidrains-ct', 'labml-ct')   # what `RUNNERS` (below) builds
@@ -53,7 +53,7 @@ class BenchConfig:
                                  f"{' (or None: torch chooses)' if name == 'threads' else ''}")
         if self.dtype not in ('float32', 'bfloat16', 'float16'):
             raise ValueError(f"BenchConfig.dtype={self.dtype}: use float32, bfloat16 or float16")
-        if not re.fullmatch(r'cpu|mps|cuda(:\d+)?', self.device):
+        if not re.fullmatch(DEVICES, self.device):
             raise ValueError(f"BenchConfig.device={self.device}: use cpu, cuda, cuda:N or mps")
         if self.reference not in IMPLS + tuple(self.impls):             # an implementation added to RUNNERS may be run and be it
             raise ValueError(f"BenchConfig.reference={self.reference}: the ratios are taken to one of {', '.join(IMPLS)}")

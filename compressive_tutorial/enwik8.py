@@ -18,6 +18,7 @@ from .model import CTConfig, build_model, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
 from .analysis import eval_across_memory_sizes, plot_memory_sweep
 from .cli import load_corpus, n_params, paper_schedule
+from .experiments import _data_key
 
 # %% ../nbs/13_enwik8.ipynb #302c478c
 def protocol_train_config(steps:int, # iterations of the whole run; the paper's schedule is scaled to it
@@ -178,8 +179,8 @@ def make_enwik8_fixture(folder, # where the zip goes
 
 # %% ../nbs/13_enwik8.ipynb #9167f7d9
 def _spec(preset:Enwik8Preset, data:dict) -> dict:
-    "What determines a run: every preset field but its description, and the size of each split."
-    return dict(preset={k: v for k, v in asdict(preset).items() if k != 'target'}, data={s: [len(c), int(c.n_docs)] for s, c in data.items()})
+    "What determines a run: every preset field but its description, and each split's size and content hash."
+    return dict(preset={k: v for k, v in asdict(preset).items() if k != 'target'}, data=_data_key(data, tuple(data)))
 
 def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): created, or resumed from
                    preset:Enwik8Preset, # the run

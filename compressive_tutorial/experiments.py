@@ -61,6 +61,12 @@ def _digest(corpus) -> str:
     h = hashlib.sha1(corpus.tokens.tobytes()); h.update(corpus.doc_starts.tobytes())
     return h.hexdigest()[:12]
 
+def _data_key(data:dict, # {split: Corpus}
+              splits=('train', 'valid', 'test') # the splits a run reads
+             ) -> dict:
+    "What a run's key records of its data: each split's size, documents and content hash."
+    return {s: [len(data[s]), int(data[s].n_docs), _digest(data[s])] for s in splits}
+
 def _run_key(spec:dict) -> str:
     "A short hash of everything that determines a run."
     return hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -106,7 +112,7 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
     dev = torch.device(device)
     spec = dict(kind=model_kind, cfg=_nondefault(cfg), train_cfg=_nondefault(train_cfg), steps=steps, batch_size=batch_size,
                 eval_windows=eval_windows, eval_batch_size=eval_batch_size, seed=seed, device=dev.type,
-                data={s: [len(data[s]), int(data[s].n_docs), _digest(data[s])] for s in ('train', 'valid', 'test')})
+                data=_data_key(data))
     key = _run_key(spec)
     if cache is not None:
         wpath, jpath = _cache_paths(cache, name, key)

@@ -27,7 +27,7 @@ from .xl import TransformerXL, lm_loss
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, compression_parameters, evaluate, hardware, sample, seed_everything
 from .checkpoint import load_weights
-from .experiments import equal_cost_pair, run_label, _nondefault, _run_key, _run_stem, _sync
+from .experiments import equal_cost_pair, run_label, _nondefault, _data_key, _run_key, _run_stem, _sync
 from .cli import n_params
 
 # %% ../nbs/11_speech.ipynb #48a9e0b7
@@ -483,7 +483,7 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
         if len(dl) < eval_chunks: raise ValueError(f'the {s} split has only {len(dl)} chunks of {eval_streams} streams x {chunk} samples: lower eval_chunks or eval_streams')
     spec = dict(kind=kind, cfg=_nondefault(cfg), train_cfg=_nondefault(train_cfg), steps=steps, batch_size=batch_size, chunk=chunk,
                 eval_every=eval_every, eval_streams=eval_streams, eval_chunks=eval_chunks, seed=seed, device=dev.type,
-                data={s: [len(data[s]), int(data[s].n_docs)] for s in SPLITS})
+                data=_data_key(data))
     key = _run_key(spec)
     run_dir = None if folder is None else Path(folder)/_run_stem(name, key)
     ckpt = None if run_dir is None else run_dir/'last.safetensors'

@@ -36,6 +36,18 @@ def test_run_and_merge(tmp_path, monkeypatch):
     assert outputs(out) == ['', 'fast\n', 'slow\n', '2\n', '']   # other flags: the gpu cell is skipped, its old output kept
 
 
+def test_run_keeps_the_stdout_of_a_cell_ending_in_semicolon(tmp_path, monkeypatch):
+    "execnb alone drops everything such a cell printed (its training log, its table); Jupyter hides only the value."
+    monkeypatch.chdir(tmp_path)
+    nb = notebook(tmp_path / 'e.ipynb', '#| gpu\nprint("log")\n[1];', '#| gpu\nif True:\n    print("in")\n    2;  ')
+    out = tmp_path / 'e_out.ipynb'
+    assert gc.main(['run', str(nb), '--out', str(out)]) == 0
+    cells = json.loads(out.read_text())['cells']
+    assert outputs(out) == ['log\n', 'in\n']
+    assert [o['output_type'] for c in cells for o in c['outputs']] == ['stream', 'stream']   # the value stays hidden
+    assert [gc.src(c) for c in cells] == [gc.src(c) for c in json.loads(nb.read_text())['cells']]   # the source as it was
+
+
 def test_run_only_named_cells(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     nb = notebook(tmp_path / 'd.ipynb', 'x = 1', '#| gpu\nprint("a")', '#| gpu\nprint("b", x)')
