@@ -29,8 +29,9 @@ from gymnasium.vector import SyncVectorEnv, AutoresetMode
 from tqdm import tqdm
 from .xl import XLConfig, TransformerXL, xl_equivalent_mask, episode_reference, reachability
 from .model import CTConfig, CompressiveTransformer, ct_visibility_mask
-from .train import save_checkpoint, load_checkpoint, flatten_tree, unflatten_tree, hardware
-from .train import NonFiniteError, TrainingInterrupted, StopSignals, folder_lock
+from .train import hardware
+from .checkpoint import (
+    save_checkpoint, load_checkpoint, flatten_tree, unflatten_tree, NonFiniteError, TrainingInterrupted, StopSignals, folder_lock)
 
 # %% ../nbs/12_rl.ipynb #197fe485
 def check_action(action, # what the agent passed to `step`
