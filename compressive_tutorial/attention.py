@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['ATTN_IMPLS', 'causal_mask', 'attention_mask', 'plot_mask', 'masked_attention', 'attend_explicit', 'AttnResult',
            'MultiHeadAttention', 'sinusoid_embedding', 'relative_distances', 'rel_shift', 'shift_masked',
-           'attend_biased', 'RelativeMultiHeadAttention']
+           'attend_biased', 'reversed_sinusoid', 'RelativeMultiHeadAttention']
 
 # %% ../nbs/01_attention.ipynb #bf498ed4
-import math
+import functools, math
 from typing import NamedTuple
 import torch
 import torch.nn as nn
@@ -26,6 +26,13 @@ def causal_mask(T:int, # number of queries: the current window
     return j <= i + M                                 # (T, M+T)
 
 # %% ../nbs/01_attention.ipynb #fbd629d3
+def _size_constant(fn):
+    "`fn` of sizes and a device only, kept per arguments (32 at most): built once instead of in every layer and window. What inference mode builds is kept apart (autograd refuses it), and a compiled graph builds its own."
+    kept = functools.lru_cache(maxsize=32)(lambda args, inference: fn(*args))
+    return lambda *args: fn(*args) if torch.compiler.is_compiling() else kept(args, torch.is_inference_mode_enabled())
+
+_causal_mask = _size_constant(causal_mask)   # shared: read, never written
+
 def attention_mask(T:int, # number of queries: the current window
                    M:int=0, # number of memory slots in front of the window
                    mem_valid:Tensor|None=None, # (B, M) bool, False marks a slot no query may read; None: all valid
@@ -33,8 +40,8 @@ def attention_mask(T:int, # number of queries: the current window
                    device=None # where to build the mask
                   ) -> Tensor: # (1 or B, 1, T, M+T) bool, True where attention is allowed
     "Causal mask AND key validity AND (with `first`) same episode, shaped to broadcast over heads."
-    mask = causal_mask(T, M, device)[None, None]                          # (1, 1, T, K)
-    if mem_valid is None and first is None: return mask
+    if mem_valid is None and first is None: return causal_mask(T, M, device)[None, None]   # (1, 1, T, K), a tensor of its own
+    mask = _causal_mask(T, M, device)[None, None]                         # the shared one: combined below into a new tensor
     if mem_valid is not None and (mem_valid.dim() != 2 or mem_valid.shape[1] != M):
         raise ValueError(f"mem_valid has shape {tuple(mem_valid.shape)} but the memory holds M={M} slots: "
                          f"pass a (B, {M}) bool mask, one flag per memory slot.")
@@ -282,6 +289,18 @@ def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d
 
 
 # %% ../nbs/01_attention.ipynb #0e1658c3
+def reversed_sinusoid(K:int, # keys: distances K-1 .. 0
+                      d:int, # embedding width, even
+                      clamp_len:int|None=None, # distances above this use R_clamp_len; None = no clamping
+                      device=None, dtype=torch.float32
+                     ) -> Tensor: # (K, d): row k is R_{K-1-k}
+    "The sinusoids $R$ that `rel_proj` projects, one row per distance from K-1 down to 0."
+    pos = torch.arange(K - 1, -1, -1, device=device)
+    if clamp_len is not None: pos = pos.clamp(max=clamp_len)
+    return sinusoid_embedding(pos, d).to(dtype)
+
+_reversed_sinusoid = _size_constant(reversed_sinusoid)   # shared by every layer and window of that size
+
 class RelativeMultiHeadAttention(MultiHeadAttention):
     "Transformer-XL attention (§3.3): scores (a)+(b)+(c)+(d) with sinusoidal R, biases u, v and the shift trick."
     def __init__(self,
@@ -306,9 +325,7 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         amp = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
         key = (K, dev, self.clamp_len, amp, self.r.weight.data_ptr(), self.r.weight._version) if keep else None
         if keep and getattr(self, '_rel_cache', (None,))[0] == key: return self._rel_cache[1]
-        pos = torch.arange(K - 1, -1, -1, device=device)   # distances K-1 .. 0
-        if self.clamp_len is not None: pos = pos.clamp(max=self.clamp_len)
-        R = sinusoid_embedding(pos, self.d_model).to(self.r.weight.dtype)  # (K, d)
+        R = _reversed_sinusoid(K, self.d_model, self.clamp_len, dev, self.r.weight.dtype)   # (K, d), shared: no parameter in it
         Q = self.r(R).view(K, self.n_heads, self.d_head).permute(1, 2, 0)  # (H, d_h, K)
         if keep: self._rel_cache = (key, Q)                        # evaluation: every window of the same length reuses it
         return Q

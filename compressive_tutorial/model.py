@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['MODEL_KINDS', 'CTConfig', 'CompressiveUpdate', 'update_compressive_memory', 'FifoStep', 'fifo_trace',
-           'plot_fifo_trace', 'CTState', 'AttentionRecord', 'layer_compression_loss', 'CompressiveTransformer',
-           'ct_temporal_range', 'attention_cost', 'ct_visibility_mask', 'ct_dependency_reach', 'ModelKind',
-           'build_model', 'memory_summary', 'windows_per_call']
+           'plot_fifo_trace', 'CTState', 'AttentionRecord', 'qualifying_streams', 'layer_compression_loss',
+           'CompressiveTransformer', 'ct_temporal_range', 'attention_cost', 'ct_visibility_mask', 'ct_dependency_reach',
+           'ModelKind', 'build_model', 'memory_summary', 'windows_per_call']
 
 # %% ../nbs/05_compressive_transformer.ipynb #652fedbc
 import warnings
@@ -192,20 +192,27 @@ class AttentionRecord:
         return {'cm': slice(0, a), 'm': slice(a, b), 'window': slice(b, b + self.n_open + self.T)}
 
 # %% ../nbs/05_compressive_transformer.ipynb #5255c71c
+def qualifying_streams(old:Memory # (B, n, d) the memories a layer evicted
+                      ) -> tuple: # (rows: (B,) bool, True where every evicted slot is valid; n: how many rows are True)
+    "The streams whose evicted memories the auxiliary loss reads. One host sync (for `n`): every layer evicts the same streams' states, so the model checks once a window."
+    rows = old.valid.all(1)                                              # (B,)
+    return rows, int(rows.sum())
+
 def layer_compression_loss(layer:XLLayer, # the layer whose memories were compressed (its attention; its ln1 if pre-LN)
                            h:Tensor, # (B, T, d) the layer's input window
                            old:Memory, # (B, k*c, d) the memories it evicted this window
                            new_cm:Tensor, # (B, k, d) f_c(old.mem), with its graph
                            kind:str|CompressionLoss='attention', # 'attention' (Algorithm 2), 'autoencode', 'bptt' or 'none'
                            decoder:nn.Module|None=None, # the layer's decoder g (for 'autoencode')
-                           proj:tuple|None=None # (q, k_old, v_old) the layer's own projections (B, H, n, d_h), for 'attention'
+                           proj:tuple|None=None, # (q, k_old, v_old) the layer's own projections (B, H, n, d_h), for 'attention'
+                           streams:tuple|None=None # `qualifying_streams(old)`, if already known; None: found here
                           ) -> Tensor|None: # scalar; None if nothing was compressed, no stream qualifies, or `kind` has no loss
     "One layer's auxiliary loss over the streams whose evicted memories are all valid (pre-LN: through a frozen ln1); `proj` reuses the layer's projections."
     kind = CompressionLoss(kind)
     if kind in (CompressionLoss.BPTT, CompressionLoss.NONE) or new_cm.shape[1] == 0: return None
-    rows = old.valid.all(1)                                              # (B,)
-    if not rows.any(): return None
-    if not rows.all():
+    rows, n = qualifying_streams(old) if streams is None else streams
+    if n == 0: return None
+    if n < rows.numel():
         h, old_mem, new_cm = h[rows], old.mem[rows], new_cm[rows]
         if proj is not None: proj = tuple(t[rows] for t in proj)
     else: old_mem = old.mem
@@ -235,6 +242,7 @@ class CompressiveTransformer(TransformerXL):
         self.compression_hook = None                 # optional hook(i, h, old, new_cm), called after each layer's update
         self.aux_loss, self.aux_losses = None, [None] * cfg.n_layers
         self.aux_rows = 0                            # streams whose evictions entered the aux losses, summed over windows (DDP weighs ranks by it)
+        self._streams = None                         # this window's `qualifying_streams`, found in layer 0 and used by every layer
         self.aux_graph_disjoint = True               # aux_loss reads only detached tensors: its graph shares no node with the task loss's
 
     def compression_parameters(self):
@@ -316,8 +324,10 @@ class CompressiveTransformer(TransformerXL):
         "Layer i's auxiliary loss on the memories it just evicted; skipped (None) without gradients unless `record_aux`."
         if not (torch.is_grad_enabled() or self.record_aux): return None
         g = None if self.decoders is None else self.decoders[i]
-        loss = layer_compression_loss(self.layers[i], h, old, new_cm, self.compression_loss, g, proj)
-        if loss is not None and i == 0: self.aux_rows = self.aux_rows + old.valid.all(1).sum()   # the same streams qualify in every layer
+        if i == 0:                                                       # every layer evicts the same streams' states: one check a window
+            self._streams = qualifying_streams(old) if self.compression_loss in (CompressionLoss.ATTENTION, CompressionLoss.AUTOENCODE) else None
+        loss = layer_compression_loss(self.layers[i], h, old, new_cm, self.compression_loss, g, proj, self._streams)
+        if loss is not None and i == 0: self.aux_rows += self._streams[1]
         return loss
 
     def _layer_step(self, i:int, h:Tensor, first:Tensor|None, ends:tuple, m:Memory, cm:Memory, window:Memory,

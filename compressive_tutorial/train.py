@@ -179,10 +179,10 @@ def evaluate(model:nn.Module, # a model of the package's interface
         for i, b in enumerate(loader):
             if max_batches is not None and i >= max_batches: break
             if shard: b = shard_batch(b, rank, world)                             # this rank's streams
+            n = int((b.y != -100).sum())                                          # counted where the loader made it (no device sync)
             x, y = b.x.to(dev), b.y.to(dev)                                       # (B, T)
             reset = None if b.reset is None else b.reset.to(dev)                  # (B,)
             with autocast_for(dev, precision): _, loss, state = model(x, state, targets=y, reset=reset, **forward_kwargs)
-            n = int((y != -100).sum())
             nats += float(loss) * n; n_tok += n                                   # mean over real targets -> sum
     finally: model.train(was_training)
     if shard: nats, n_tok = all_sum([nats, n_tok], dev); n_tok = int(n_tok)      # every rank gets the totals
@@ -330,6 +330,7 @@ class Trainer:
         cfg, model = self.cfg, self.model
         n_all = int((batch.y != -100).sum())                                     # targets of the whole batch, all ranks
         batch = shard_batch(batch, self.rank, self.world)                        # DDP: this rank's block of streams
+        n = int((batch.y != -100).sum())                                         # its targets, counted before the copy to the device
         x, y = batch.x.to(self.device), batch.y.to(self.device)                  # (B/world, T)
         reset = None if batch.reset is None else batch.reset.to(self.device)     # (B,)
         self._batch_size = x.shape[0]
@@ -337,7 +338,6 @@ class Trainer:
         model.train()
         with autocast_for(self.device, self.precision):
             _, loss, self.state = self.net(x, self.state, targets=y, reset=reset)   # state: detached memories for the next window
-        n = int((y != -100).sum())
         share = n * self.world / max(n_all, 1)                                   # DDP averages ranks: weigh each by its targets
         scaled = (lambda t: self.scaler.scale(t)) if self.scaler is not None else (lambda t: t)   # fp16: loss scaling
         aux = getattr(model, 'aux_loss', None)
