@@ -1,6 +1,8 @@
 """GPU checks that run without nbdev (the GPU machine has none): fused against explicit attention on CUDA (fp32 and bf16),
-the cached inference path, the reused projections of the reconstruction loss, and a short form of the GPU benchmark.
+the cached inference path, the reused projections of the reconstruction loss, the host syncs of a training window, and a
+short form of the GPU benchmark.
 Every test here skips cleanly on a machine without CUDA."""
+import warnings
 from dataclasses import replace
 import pytest
 import torch
@@ -81,6 +83,23 @@ def test_reused_projections_equal_recomputed():
     model(tokens[:, 32:], state)
     want = torch.stack([torch.stack(s).mean() for s in slow]).sum()
     torch.testing.assert_close(model.aux_loss, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_training_window_syncs_once():
+    "A training window makes the host wait for the GPU once (the count of streams the auxiliary loss reads), in any layer count."
+    model = _ct().train()
+    tokens = torch.randint(0, 64, (3, 64), device=DEV)
+    with torch.no_grad(): _, _, state = model(tokens[:, :32])               # memories full: every later window evicts
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        torch.cuda.set_sync_debug_mode('warn')                              # a warning at every synchronising CUDA call
+        try:
+            _, loss, state = model(tokens[:, 32:], state, targets=tokens[:, 32:])   # 2 windows of n_s = 16
+            (loss + model.aux_loss).backward()
+        finally: torch.cuda.set_sync_debug_mode('default')
+    syncs = [f'{w.filename}:{w.lineno}' for w in caught if 'synchroniz' in str(w.message)]
+    assert len(syncs) == 2, f'{len(syncs)} syncs, expected 1 per window: {syncs}'
 
 
 def test_gpu_benchmark_smoke():
