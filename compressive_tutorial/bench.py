@@ -8,7 +8,7 @@ __all__ = ['IMPLS', 'BENCH_CPU', 'BENCH_GPU', 'RUNNERS', 'BenchConfig', 'ct_flop
            'run_benchmark', 'cuda_peak_mib', 'cpu_peak_mib', 'report', 'profile_table']
 
 # %% ../nbs/15_performance.ipynb #b1500004
-import gc, json, math, os, re, statistics, subprocess, sys, time
+import contextlib, gc, json, math, os, re, statistics, subprocess, sys, time
 from dataclasses import dataclass, asdict, field, replace
 import torch
 import torch.nn as nn
@@ -101,7 +101,7 @@ class Runner:
     "One implementation under test: a model, its optimiser, its memory state, a training step and an inference step."
     name = ''        # how the tables call it
     computes = ''    # what one training step of it computes, in words
-    warmup_mult = 1  # windows run before timing: this times the config's warmup (a compiled model compiles in them)
+    compiled = False # torch.compile'd: the warm-up fills the memories eagerly, then compiles the steady-state window
     def train_step(self, x:Tensor, y:Tensor): raise NotImplementedError
     def infer_step(self, x:Tensor): raise NotImplementedError
     def reset(self): "Forget the memories (a new stream)."
@@ -109,10 +109,13 @@ class Runner:
         "One window of `phase`: 'train' (with targets y) or 'infer'."
         self.train_step(x, y) if phase == 'train' else self.infer_step(x)
     def warm_up(self, phase:str, xy, cfg:BenchConfig):
-        "From a fresh stream, `cfg.warmup * warmup_mult` windows xy(i) of `phase`: memories full (and, if compiled, compiled)."
+        "From a fresh stream, `cfg.warmup` windows xy(i) of `phase`: memories full. A compiled model runs them eagerly, then compiles in two more windows the one graph of the steady state."
         self.reset()
         with _autocast(cfg):
-            for i in range(cfg.warmup * self.warmup_mult): self.step(phase, *xy(i))
+            with torch.compiler.set_stance('force_eager') if self.compiled else contextlib.nullcontext():
+                for i in range(cfg.warmup): self.step(phase, *xy(i))
+            if self.compiled:
+                for i in range(cfg.warmup, cfg.warmup + 2): self.step(phase, *xy(i))
 
 class OursRunner(Runner):
     "Our TransformerXL or CompressiveTransformer: the task loss trains the model, the reconstruction loss only f_c."
@@ -123,9 +126,9 @@ class OursRunner(Runner):
         self.model = m.to(cfg.device)
         if not aux:                                         # a measurement, not a configuration: the same model and f_c,
             self.model.compression_loss = CompressionLoss('none')   # but no Algorithm 2 (so f_c is never trained)
-        if compiled:                                        # torch.compile each layer (the memory bookkeeping stays eager)
-            for layer in self.model.layers: layer.compile()
-            self.warmup_mult = 3                            # one graph per memory length while the memories fill, then steady
+        if compiled:                                        # torch.compile each layer (the memory bookkeeping stays eager), for the
+            for layer in self.model.layers: layer.compile(dynamic=False)   # shapes of full memories only: see `warm_up`
+            self.compiled = True
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.computes = ('relative attention (a)+(b)+(c)+(d) over [cm; m; window], K/V weight gradients, conv f_c, ' +
                          ('attention-reconstruction loss (Algorithm 2) into f_c only' if aux else 'NO reconstruction loss')
@@ -273,6 +276,8 @@ def counted_flops(runner:Runner, cfg:BenchConfig, x:Tensor, y:Tensor) -> tuple:
     extra = {aten._scaled_dot_product_flash_attention_for_cpu: raw(sdpa_flop),
              aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(sdpa_backward_flop), aten.baddbmm_: raw(baddbmm_flop)}
     out = []
+    if runner.compiled:                                   # a compiled layer keeps no Q = W_R R between windows: count its rebuild
+        for m in runner.model.modules(): m.__dict__.pop('_rel_cache', None)
     for train in (False, True):                           # inference first: a training step would make the K/V cache stale;
                                                           # eager, so that the counter sees every matmul (a compiled model does the
                                                           # same ones, but rebuilds Q = W_R R in every inference window)
@@ -364,7 +369,7 @@ def _peak_child(name:str, cfg_json:str):
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s))
     out = []
     for phase in ('infer', 'train'):
-        if r.warmup_mult > 1: r.warm_up(phase, lambda i: (x, x), cfg)   # a compiled model compiles first: not the model's memory
+        if r.compiled: r.warm_up(phase, lambda i: (x, x), cfg)   # a compiled model compiles first: not the model's memory
         r.reset(); gc.collect()
         base = _rss_mib(); _reset_peak()
         for _ in range(cfg.warmup): r.step(phase, x, x)

@@ -105,3 +105,20 @@ def test_compiled_layers_equal_eager(device):
             (la, _, states[0]), (lb, _, states[1]) = eager(x, states[0]), compiled(x, states[1])
             torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
     assert not counters['graph_break'], f"graph breaks: {dict(counters['graph_break'])}"
+
+
+def test_compiled_runner_times_one_static_graph_per_phase():
+    "The benchmark's compiled model fills its memories eagerly, then compiles the steady-state window once per phase: no recompilation while timed."
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from compressive_tutorial.bench import BenchConfig, OursRunner
+    torch._dynamo.reset(); counters.clear()
+    cfg = BenchConfig(n_layers=2, d_model=32, n_heads=2, d_ff=128, n_s=8, n_m=8, n_cm=8, c=2, batch_size=2, warmup=6, steps=1, reps=1)
+    r = OursRunner(cfg, 'ct', compiled=True)
+    x = torch.randint(0, 256, (2, 8))
+    for phase in ('train', 'infer'):
+        r.warm_up(phase, lambda i: (x, x), cfg)
+        with torch._dynamo.config.patch(error_on_recompile=True):    # the timed windows: the graph made in the warm-up, as is
+            for _ in range(3): r.step(phase, x, x)
+    assert counters['stats']['unique_graphs'] == 2, dict(counters['stats'])   # one for training, one for inference
+    assert not counters['graph_break'], f"graph breaks: {dict(counters['graph_break'])}"
