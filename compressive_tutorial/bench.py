@@ -280,7 +280,7 @@ def counted_flops(runner:Runner, cfg:BenchConfig, x:Tensor, y:Tensor) -> tuple:
         for m in runner.model.modules(): m.__dict__.pop('_rel_cache', None)
     for train in (False, True):                           # inference first: a training step would make the K/V cache stale;
                                                           # eager, so that the counter sees every matmul (a compiled model does the
-                                                          # same ones, but rebuilds Q = W_R R in every inference window)
+                                                          # same ones, and the Q rebuilt above)
         with FlopCounterMode(display=False, custom_mapping=extra) as fc, _autocast(cfg), torch.compiler.set_stance('force_eager'):
             runner.train_step(x, y) if train else runner.infer_step(x)
         out.append(fc.get_total_flops() / x.numel())
