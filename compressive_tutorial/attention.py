@@ -299,7 +299,15 @@ def reversed_sinusoid(K:int, # keys: distances K-1 .. 0
     if clamp_len is not None: pos = pos.clamp(max=clamp_len)
     return sinusoid_embedding(pos, d).to(dtype)
 
-_reversed_sinusoid = _size_constant(reversed_sinusoid)   # shared by every layer and window of that size
+_R_TABLES = {}   # (d, clamp_len, device, dtype, inference mode) -> R of the most keys asked for so far
+
+def _reversed_sinusoid(K:int, d:int, clamp_len:int|None, device, dtype) -> Tensor:
+    "`reversed_sinusoid(K, ...)` as the last K rows of one kept table, rebuilt only when more keys are asked for: R holds no parameter, so every layer and window (of any length) shares it."
+    if torch.compiler.is_compiling(): return reversed_sinusoid(K, d, clamp_len, device, dtype)   # a compiled graph builds its own
+    key = (d, clamp_len, torch.device(device or 'cpu'), dtype, torch.is_inference_mode_enabled())   # (autograd refuses inference tensors)
+    R = _R_TABLES.get(key)
+    if R is None or len(R) < K: R = _R_TABLES[key] = reversed_sinusoid(K, d, clamp_len, device, dtype)
+    return R[len(R) - K:]                                           # rows: distances K-1 .. 0
 
 class RelativeMultiHeadAttention(MultiHeadAttention):
     "Transformer-XL attention (§3.3): scores (a)+(b)+(c)+(d) with sinusoidal R, biases u, v and the shift trick."
