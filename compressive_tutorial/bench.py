@@ -18,6 +18,7 @@ from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer
 from .losses import CompressionLoss
 from .train import DEVICES, hardware
+from .experiments import _sync
 
 # %% ../nbs/15_performance.ipynb #b1500009
 IMPLS = ('ours-ct', 'ours-txl', 'ours-ct-compiled', 'ours-ct-noaux', 'lucidrains-ct', 'labml-ct')   # what `RUNNERS` (below) builds
@@ -245,9 +246,6 @@ def make_runners(cfg:BenchConfig) -> tuple: # ({name: Runner}, {name: why it was
     return runners, skipped
 
 # %% ../nbs/15_performance.ipynb #b1500015
-def _sync(device:str):
-    if device.startswith('cuda'): torch.cuda.synchronize()
-
 def _autocast(cfg:BenchConfig):
     "Autocast to the benchmark's low precision on CUDA; nothing in fp32 (the hook for the precision work)."
     if cfg.dtype == 'float32': return torch.autocast('cpu', enabled=False)
