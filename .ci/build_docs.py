@@ -236,12 +236,19 @@ _re_hardware = re.compile(r'(CPU [^|\n]*?torch \d[\w.+]*|[^|\n:]*\(CUDA\),? torc
 
 
 def outputs_date(nb_path):
-    "The day a notebook's outputs were committed (today, UTC, if it has uncommitted changes)."
-    def git(*a): return subprocess.run(['git', *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    if git('status', '--porcelain', '--', str(nb_path)) or not git('log', '-1', '--format=%cs', '--', str(nb_path)):
-        import datetime
-        return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    return git('log', '-1', '--format=%cs', '--', str(nb_path))
+    "The day a notebook's outputs were last changed by a commit (today, UTC, if uncommitted changes touch them): an edit of its prose keeps the date."
+    def git(*a): return subprocess.run(['git', *a], cwd=ROOT, capture_output=True, text=True).stdout
+    def outputs(text):                                   # the code cells that have outputs, by id; None: no notebook there
+        try: return [(c.get('id'), c['outputs']) for c in json.loads(text)['cells'] if c.get('outputs')]
+        except ValueError: return None
+    import datetime
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    rel = Path(nb_path).resolve().relative_to(ROOT).as_posix()
+    if outputs(Path(nb_path).read_text()) != outputs(git('show', f'HEAD:{rel}')): return today
+    for line in git('log', '--format=%H %cs', '--', rel).splitlines():   # newest first
+        sha, day = line.split()
+        if outputs(git('show', f'{sha}:{rel}')) != outputs(git('show', f'{sha}^:{rel}')): return day
+    return today
 
 
 def headline_outputs(c):
