@@ -245,9 +245,9 @@ def outputs_date(nb_path):
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     rel = Path(nb_path).resolve().relative_to(ROOT).as_posix()
     if outputs(Path(nb_path).read_text()) != outputs(git('show', f'HEAD:{rel}')): return today
-    for line in git('log', '--format=%H %cs', '--', rel).splitlines():   # newest first
+    for line in git('log', '--format=%H %cs', '--', rel).splitlines():   # newest first, each against its first parent
         sha, day = line.split()
-        if outputs(git('show', f'{sha}:{rel}')) != outputs(git('show', f'{sha}^:{rel}')): return day
+        if outputs(git('show', f'{sha}:{rel}')) != outputs(git('show', f'{sha}^:{rel}')): return day   # (with merges, not the next line's)
     return today
 
 
