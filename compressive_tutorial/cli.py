@@ -474,9 +474,14 @@ def _asked_device(args) -> str|None:
 def train_command(args, download=download_file) -> int:
     "`ct train`: train (or continue) a run and report its validation bits per byte; an interrupt saves it and says how to go on."
     ddp = init_distributed(device=_asked_device(args))                 # under torchrun: join the other processes (a CPU run: gloo)
-    try: return _train(args, download)
+    code = None
+    try:
+        code = _train(args, download)
+        return code
     finally:
-        if ddp: dist.destroy_process_group()
+        if ddp:
+            if code is not None: dist.barrier()    # every rank done before any closes its connections (a peer gone early can abort gloo)
+            dist.destroy_process_group()
 
 def _train(args, download) -> int:
     run = run_from_args(args)                                          # every config checked before anything is loaded

@@ -79,7 +79,7 @@ def main(phase, out):
             try: t.fit(12); got[where] = None
             except TrainingInterrupted as e: got[where] = [e.signum, e.step]
         (out/f'signals-{rank}.json').write_text(json.dumps(got))
-    if world > 1: torch.distributed.destroy_process_group()
+    if world > 1: torch.distributed.barrier(); torch.distributed.destroy_process_group()   # no rank closes its connections early
 
 
 if __name__ == '__main__': main(*sys.argv[1:])
