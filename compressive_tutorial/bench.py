@@ -17,7 +17,7 @@ from torch import Tensor
 from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer
 from .losses import CompressionLoss
-from .train import DEVICES, hardware
+from .train import DEVICES, hardware, make_adam
 from .experiments import _sync
 
 # %% ../nbs/15_performance.ipynb #b1500009
@@ -130,7 +130,7 @@ class OursRunner(Runner):
         if compiled:                                        # torch.compile each layer (the memory bookkeeping stays eager), for the
             for layer in self.model.layers: layer.compile(dynamic=False)   # shapes of full memories only: see `warm_up`
             self.compiled = True
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.opt = make_adam(self.model.parameters(), lr=1e-4)
         self.computes = ('relative attention (a)+(b)+(c)+(d) over [cm; m; window], K/V weight gradients, conv f_c, ' +
                          ('attention-reconstruction loss (Algorithm 2) into f_c only' if aux else 'NO reconstruction loss')
                          if kind == 'ct' else
@@ -159,7 +159,7 @@ class LucidrainsRunner(Runner):
                          cmem_len=cfg.n_cm, cmem_ratio=cfg.c, heads=cfg.n_heads, gru_gated_residual=False,
                          mogrify_gru=False, ff_glu=False).to(cfg.device)   # plain residuals: no GRU gating (not in the paper)
         if cfg.d_ff != 4 * cfg.d_model: raise ValueError("compressive-transformer-pytorch fixes d_ff = 4 d_model")
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.opt = make_adam(self.model.parameters(), lr=1e-4)
         self.reset()
     def reset(self): self.mem = None
     def train_step(self, x, y):
@@ -191,7 +191,7 @@ class LabmlRunner(Runner):
         self.tr = LabCT(layer, cfg.n_layers)
         self.model = nn.ModuleList([nn.Embedding(cfg.vocab_size, cfg.d_model), self.tr, nn.Linear(cfg.d_model, cfg.vocab_size)]).to(cfg.device)
         self.arl = AttentionReconstructionLoss(self.tr.layers)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.opt = make_adam(self.model.parameters(), lr=1e-4)
         self.reset()
     def reset(self): self.mem, self.cmem = [], []
     def _forward(self, x):                                  # x (T, B): labml is sequence-first (its AutoregressiveModel)

@@ -29,7 +29,7 @@ from gymnasium.vector import SyncVectorEnv, AutoresetMode
 from tqdm import tqdm
 from .xl import XLConfig, TransformerXL, xl_equivalent_mask, episode_reference, reachability
 from .model import CTConfig, CompressiveTransformer, ct_visibility_mask
-from .train import hardware
+from .train import hardware, make_adam, load_optimizer_state
 from .checkpoint import (
     save_checkpoint, load_checkpoint, flatten_tree, unflatten_tree, NonFiniteError, TrainingInterrupted, StopSignals, folder_lock)
 
@@ -729,8 +729,8 @@ class RLTrainer:
         self.envs = make_envs(cfg.env_id, cfg.num_envs, **cfg.env_kwargs)
         self.agent = Agent(self.envs.single_observation_space.nvec, int(self.envs.single_action_space.n), cfg.d_model, cfg.core, cfg.core_kwargs)
         comp = {id(p) for p in getattr(self.agent.core, 'compression_parameters', lambda: [])()}   # f_c (CT core): its own loss
-        self.opt = torch.optim.Adam([p for p in self.agent.parameters() if id(p) not in comp and p.requires_grad], lr=cfg.lr)
-        self.aux_opt = torch.optim.Adam([p for p in self.agent.parameters() if id(p) in comp], lr=cfg.lr) if comp else None
+        self.opt = make_adam([p for p in self.agent.parameters() if id(p) not in comp and p.requires_grad], lr=cfg.lr)
+        self.aux_opt = make_adam([p for p in self.agent.parameters() if id(p) in comp], lr=cfg.lr) if comp else None
         self.lag = PolicyLag(self.agent, cfg.lag)
         self.curriculum = None
         if cfg.curriculum is not None:
@@ -856,8 +856,8 @@ class RLTrainer:
         tensors, meta = load_checkpoint(path)
         tr = cls(RLConfig(**{**meta['cfg'], **overrides}), ckpt_dir)
         tr.agent.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith('agent.')})
-        tr.opt.load_state_dict(unflatten_tree(meta['opt'], tensors))
-        if tr.aux_opt is not None: tr.aux_opt.load_state_dict(unflatten_tree(meta['aux_opt'], tensors))
+        load_optimizer_state(tr.opt, unflatten_tree(meta['opt'], tensors))
+        if tr.aux_opt is not None: load_optimizer_state(tr.aux_opt, unflatten_tree(meta['aux_opt'], tensors))
         tr.lag.snapshots.clear()
         for i in range(meta['n_lag']):
             tr.lag.snapshots.append({k[len(f'lag.{i}.'):]: v for k, v in tensors.items() if k.startswith(f'lag.{i}.')})

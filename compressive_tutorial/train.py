@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'DEVICES', 'LN2', 'PRECISION_NOTES', 'TrainConfig', 'lr_at', 'accumulation_at', 'bits_per_byte',
-           'perplexity', 'compression_parameters', 'bf16_native', 'choose_precision', 'autocast_for', 'evaluate',
-           'dist_rank_world', 'init_distributed', 'shard_rows', 'shard_batch', 'all_sum', 'gather_rows', 'ddp_wrap',
-           'average_grads', 'Trainer', 'hardware', 'seed_everything', 'top_k_filter', 'top_p_filter', 'sample_next',
-           'sample']
+           'perplexity', 'compression_parameters', 'make_adam', 'load_optimizer_state', 'bf16_native',
+           'choose_precision', 'autocast_for', 'evaluate', 'dist_rank_world', 'init_distributed', 'shard_rows',
+           'shard_batch', 'all_sum', 'gather_rows', 'ddp_wrap', 'average_grads', 'Trainer', 'hardware',
+           'seed_everything', 'top_k_filter', 'top_p_filter', 'sample_next', 'sample']
 
 # %% ../nbs/06_training.ipynb #df0e3126
 import contextlib, inspect, itertools, math, os, platform, random, time, warnings
@@ -119,6 +119,23 @@ def _iter_from(loader, start:int):
     "Iterate a loader from window `start`: `loader.windows(start)` when it has it (StreamLoader), else by skipping."
     if hasattr(loader, 'windows'): return iter(loader.windows(start))
     return itertools.islice(iter(loader), start, None)
+
+# %% ../nbs/06_training.ipynb #adam-fused-code
+def make_adam(params, # the parameters (any iterable)
+              **kw # Adam's settings: lr, betas, eps, weight_decay
+             ) -> torch.optim.Adam:
+    "torch.optim.Adam with its fused kernel (one pass per tensor) where the parameters' device has one, else the plain loop."
+    params = list(params)                                            # a generator could be read only once
+    try: return torch.optim.Adam(params, fused=True, **kw)
+    except RuntimeError: return torch.optim.Adam(params, **kw)       # no fused kernel here (e.g. PyTorch < 2.4 on the CPU)
+
+def load_optimizer_state(opt:torch.optim.Optimizer, # the optimiser to restore
+                         state:dict # what `opt.state_dict()` gave, on this or another machine
+                        ):
+    "`opt.load_state_dict(state)`, but opt keeps its own kernel (fused or not): a checkpoint from a GPU loads where there is none."
+    kernel = [{k: g[k] for k in ('fused', 'foreach') if k in g} for g in opt.param_groups]
+    opt.load_state_dict(state)                                       # (it would take the writer's flags too)
+    for g, k in zip(opt.param_groups, kernel): g.update(k)
 
 # %% ../nbs/06_training.ipynb #77bf4172
 _LOW = {'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -292,8 +309,8 @@ class Trainer:
         self.rank, self.world = dist_rank_world()                            # (0, 1) in one process
         self.net = ddp_wrap(model, self.comp_params) if self.world > 1 else model   # what a training window runs through
         adam = dict(betas=self.cfg.betas, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
-        self.opt = torch.optim.Adam(self.params, lr=lr_at(0, self.cfg), **adam)
-        self.copt = (torch.optim.Adam(self.comp_params, lr=lr_at(0, self.cfg) * self.cfg.compression_lr_scale, **adam)
+        self.opt = make_adam(self.params, lr=lr_at(0, self.cfg), **adam)
+        self.copt = (make_adam(self.comp_params, lr=lr_at(0, self.cfg) * self.cfg.compression_lr_scale, **adam)
                      if self.comp_params else None)
         self.step, self.n_updates = 0, 0       # iterations (windows) done; updates done (§5.5.1 groups completed)
         self.n_skipped = 0                     # fp16: updates the loss scaler skipped because a gradient overflowed
@@ -562,7 +579,7 @@ class Trainer:
             if saved != (opt is not None):
                 raise ValueError(f"the checkpoint {'has' if saved else 'has no'} optimiser '{name}' but this trainer "
                                  f"{'has none' if saved else 'has one'}: resume with the same model class and config.")
-            if opt is not None: opt.load_state_dict(unflatten_tree(meta['skeleton'][name], tensors))
+            if opt is not None: load_optimizer_state(opt, unflatten_tree(meta['skeleton'][name], tensors))
         for n, p in self.model.named_parameters():
             g = tensors.get(f'grad.{n}')
             p.grad = None if g is None else g.to(p.device, p.dtype)
