@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['IMPLS', 'BENCH_CPU', 'BENCH_GPU', 'RUNNERS', 'BenchConfig', 'ct_flops_per_token', 'Runner', 'OursRunner',
            'LucidrainsRunner', 'LabmlRunner', 'make_runners', 'mm_flops', 'counted_flops', 'device_peak_flops',
-           'run_benchmark', 'cuda_peak_mib', 'cpu_peak_mib', 'report', 'profile_table']
+           'run_benchmark', 'cuda_peak_mib', 'cpu_peak_mib', 'report', 'run_spread', 'profile_table']
 
 # %% ../nbs/15_performance.ipynb #b1500004
 import contextlib, gc, json, math, os, re, statistics, subprocess, sys, time
@@ -423,6 +423,23 @@ def report(r:dict # what `run_benchmark` returned
     for n, why in r['skipped'].items(): lines.append(f"skipped {n}: {why}")
     lines += ['', 'what one training step computes:'] + [f"  {n}: {v['computes']}" for n, v in res.items()]
     return '\n'.join(lines)
+
+# %% ../nbs/15_performance.ipynb #b15spd02
+def run_spread(runs:list, # what `run_benchmark` returned, several times, with `impl` and `reference` in every run
+               impl:str='ours-ct', # the implementation compared
+               reference:str='lucidrains-ct' # the one it is compared to
+              ) -> str: # printable: one line per phase, one on the runs' dates and matmul speed
+    "Run by run, the median per-repetition tokens/s ratio of `impl` to `reference` in training and in inference."
+    for r in runs:
+        missing = {impl, reference} - set(r['results'])
+        if missing: raise ValueError(f"run_spread: {sorted(missing)} did not run in the run of {r['date']}: run every run with both in impls.")
+    ratio = lambda r, ph: statistics.median(a / b for a, b in zip(r['results'][impl][ph], r['results'][reference][ph]))
+    lines = []
+    for ph in ('train', 'infer'):
+        rs = [ratio(r, ph) for r in runs]
+        lines.append(f"{ph}: {impl} / {reference}, run by run: {', '.join(f'{v:.2f}x' for v in rs)}; median {statistics.median(rs):.2f}x")
+    mm = ', '.join(f"{statistics.median(r['mm_flops']) / 1e9:.0f}" for r in runs)
+    return '\n'.join(lines + [f"{len(runs)} runs from {runs[0]['date']} to {runs[-1]['date']}; large torch.mm, median of each run: {mm} GFLOP/s"])
 
 # %% ../nbs/15_performance.ipynb #b1500025
 def profile_table(cfg:BenchConfig, # sizes and device
