@@ -375,8 +375,11 @@ class Trainer:
         grad_norm = None
         if update:
             lr = lr_at(self.step, cfg)
-            grad_norm = self._update(self.opt, self.params, lr)
-            if self.copt is not None: self._update(self.copt, self.comp_params, lr * cfg.compression_lr_scale)
+            groups = [(self.opt, self.params, lr)] + ([(self.copt, self.comp_params, lr * cfg.compression_lr_scale)] if self.copt is not None else [])
+            norms = [self._clip(opt, params) for opt, params, _ in groups]  # every group checked before any steps (rule 3)
+            for (opt, _, lr_g), norm in zip(groups, norms):
+                if norm is not None: self._step(opt, lr_g)                   # None: no gradient yet (f_c before its first compression)
+            grad_norm = 0.0 if norms[0] is None else norms[0]
             if self.scaler is not None: self.scaler.update()                     # halve the scale after an overflow, or grow it
             self.n_updates += 1
         self.step += 1; self.window += 1
@@ -411,21 +414,24 @@ class Trainer:
             if i == len(a['layers']): a['layers'].append(0.0); a['n_layers'].append(0)
             if v is not None: a['layers'][i] += v; a['n_layers'][i] += 1
 
-    def _update(self, opt, params, lr:float):
-        "Clip the group's total gradient norm, set its learning rate, step, clear the gradients; return the norm before clipping."
-        if all(p.grad is None for p in params): return 0.0                   # no gradient yet (f_c before its first compression)
-        for g in opt.param_groups: g['lr'] = lr
+    def _clip(self, opt, params) -> float|None:
+        "Unscale (fp16) and clip the group's total gradient norm; return it before clipping (None: no gradient); raise if the run diverged."
+        if all(p.grad is None for p in params): return None
         if self.scaler is not None: self.scaler.unscale_(opt)                # fp16: true gradients (and note any inf/NaN)
         clip = math.inf if self.cfg.clip_norm is None else self.cfg.clip_norm  # inf: measure the norm, change nothing
         norm = float(nn.utils.clip_grad_norm_(params, clip))
-        if not math.isfinite(norm):                                          # before the step: the weights stay finite
+        if not math.isfinite(norm):                                          # before any step: the weights stay finite
             if self.scaler is None or self.scaler.get_scale() <= 1:          # not a scaled overflow: the run diverged
                 raise self._diverged(f'the gradient norm is {norm}' + (' even without loss scaling' if self.scaler else ''), self.step)
             self.n_skipped += opt is self.opt                                # fp16 overflow: the scaler skips it, halves the scale
+        return norm
+
+    def _step(self, opt, lr:float):
+        "Set the group's learning rate, step, clear its gradients."
+        for g in opt.param_groups: g['lr'] = lr
         if self.scaler is not None: self.scaler.step(opt)                    # skipped if unscale_ saw inf/NaN
         else: opt.step()
         opt.zero_grad(set_to_none=True)
-        return norm
 
     def _diverged(self, what:str, step:int) -> NonFiniteError:
         "The error that stops a run diverged at iteration `step`; a checkpoint of the very weights that diverged is rolled back first."
@@ -487,7 +493,7 @@ class Trainer:
         try:
             while self.step < steps and stopping is None:
                 out = self.train_step(self._next_batch())
-                for k in ('loss', 'aux'):                                    # rule 3 (the gradients: in _update)
+                for k in ('loss', 'aux'):                                    # rule 3 (the gradients: in _clip)
                     if out[k] is not None and not math.isfinite(out[k]): raise self._diverged(f"the {k} is {out[k]}", self.step - 1)
                 self._accumulate(out)
                 due = self.ckpt_dir is not None and self._checkpoint_due()
