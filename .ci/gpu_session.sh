@@ -37,7 +37,9 @@ for step in "$@"; do
   if [ "${LIMIT_S:-0}" -gt 0 ] && [ $((LIMIT_S - SECONDS)) -lt 30 ]; then echo "== $step: skipped, LIMIT_S=$LIMIT_S is reached"; rc=124; continue; fi
   t0=$SECONDS; echo "== $step"
   case "$step" in
-    tests) limit $PY -m pytest -q -rA -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" ;;
+    tests) first=(tests/test_*cuda*.py tests/test_fast_paths.py); rest=()   # the CUDA checks first: a time limit cuts the CPU ones
+           for f in tests/test_*.py; do [[ " ${first[*]} " == *" $f "* ]] || rest+=("$f"); done
+           limit $PY -m pytest -q -rA -p no:cacheprovider "${first[@]}" "${rest[@]}" 2>&1 | tee "$OUT/pytest.log" ;;
     bench) limit $PY -m compressive_tutorial.cli bench --preset gpu --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench.log" ;;
     nb:*)  name=${step#nb:}; ids=""; [[ $name == *:* ]] && { ids=${name#*:}; name=${name%%:*}; }; name=${name%.ipynb}
            limit $PY .ci/gpu_cells.py run "nbs/$name.ipynb" --out "$OUT/$name.ipynb" ${ids:+--cells ${ids//,/ }} 2>&1 | tee "$OUT/$name.log" ;;

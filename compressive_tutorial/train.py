@@ -133,9 +133,10 @@ def load_optimizer_state(opt:torch.optim.Optimizer, # the optimiser to restore
                          state:dict # what `opt.state_dict()` gave, on this or another machine
                         ):
     "`opt.load_state_dict(state)`, but opt keeps its own kernel (fused or not): a checkpoint from a GPU loads where there is none."
-    kernel = [{k: g[k] for k in ('fused', 'foreach') if k in g} for g in opt.param_groups]
-    opt.load_state_dict(state)                                       # (it would take the writer's flags too)
-    for g, k in zip(opt.param_groups, kernel): g.update(k)
+    kernel = [{k: g[k] for k in ('fused', 'foreach', 'capturable') if k in g} for g in opt.param_groups]
+    saved = state['param_groups']                                    # our flags, not the writer's: torch also places Adam's
+    groups = [{**g, **k} for g, k in zip(saved, kernel)] + saved[len(kernel):]   # `step` by them (fused: on the device);
+    opt.load_state_dict({**state, 'param_groups': groups})           # a group too many or too few: torch's own error
 
 # %% ../nbs/06_training.ipynb #77bf4172
 _LOW = {'bf16': torch.bfloat16, 'fp16': torch.float16}

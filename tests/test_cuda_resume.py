@@ -24,6 +24,11 @@ def make(seed=0):
 
 def test_sigterm_and_resume_on_cuda(tmp_path):
     torch.use_deterministic_algorithms(True, warn_only=True)                       # same kernels, same order: comparable bit for bit
+    try: _sigterm_and_resume(tmp_path)
+    finally: torch.use_deterministic_algorithms(False)                             # not for the tests after this one
+
+
+def _sigterm_and_resume(tmp_path):
     model, dl = make(); a = Trainer(model, dl, cfg=CFG); a.fit(20)                  # straight through
     model, dl = make(); b = Trainer(model, dl, cfg=CFG, ckpt_dir=tmp_path)
     step = b.train_step
