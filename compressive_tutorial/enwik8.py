@@ -59,9 +59,10 @@ class Enwik8Preset:
                         n_m=self.n_m, n_cm=self.n_cm, c=self.c, dropout=self.dropout, compression='conv', compression_loss='attention')
 
     def train_config(self, progress:bool=True) -> TrainConfig:
-        "The paper's optimisation scaled to `steps`, with this preset's logging, validation and checkpoints."
+        "The paper's optimisation scaled to `steps`, with this preset's logging, validation and checkpoints (every `ckpt_every`, not by time)."
         return protocol_train_config(self.steps, self.lr_max, log_every=self.log_every, eval_every=self.eval_every,
-                                     eval_batches=self.eval_batches, ckpt_every=self.ckpt_every, progress=progress)
+                                     eval_batches=self.eval_batches, ckpt_every=self.ckpt_every, ckpt_minutes=0,   # only where
+                                     progress=progress)                 # `train_protocol` also writes the sessions log
 
 def _preset(target, l, d, n_s, B, steps, **kw):
     "A preset with the paper's ratios: 8 heads (4 below d=256), MLP 3d, n_m = n_s, n_cm = 1.5 n_s, c = 3, eval n_cm = 4 n_s."
@@ -284,4 +285,4 @@ def pick_preset(device=None, # a CUDA device (None: the current one)
     name = torch.cuda.get_device_name(device)
     for key, preset in (('H100', 'h100'), ('H200', 'h100'), ('A100', 'a100'), ('L4', 'l4'), ('T4', 't4')):
         if key in name: return preset
-    raise ValueError(f'no preset for the GPU {name!r}: pick a key of ENWIK8_PRESETS by hand (the one whose GPU memory is closest)')
+    raise ValueError(f'no preset for the GPU {name!r}: pick a key of ENWIK8_PRESETS by hand (the largest whose GPU memory does not exceed yours)')

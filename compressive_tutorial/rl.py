@@ -922,7 +922,7 @@ def run_one(name:str, # the configuration's name
     try:
         tr = RLTrainer(c)
         hist = tr.train()
-        res = dict(name=name, cfg=cfg, delays=list(delays), history=hist,
+        res = dict(name=name, cfg=cfg, delays=list(delays), episodes_per_env=episodes_per_env, history=hist,
                    final=evaluate_agent(tr.agent, c.env_id, episodes_per_env, **c.env_kwargs),
                    by_delay={D: evaluate_agent(tr.agent, c.env_id, episodes_per_env, **{**c.env_kwargs, 'd_min': D, 'd_max': D}) for D in delays},
                    fps=tr.frames / tr.seconds, hardware=hardware())
@@ -935,12 +935,13 @@ def run_one(name:str, # the configuration's name
 NEUTRAL_FIELDS = ('progress', 'threads', 'ckpt_every')   # RLConfig fields a saved result is reused across: the progress bar,
                                                          # the thread count (at most the last bits of a sum), checkpoints (run_one writes none)
 
-def _load_result(path:Path, cfg:dict, delays) -> dict|None:
-    "A saved result of this config (fields outside NEUTRAL_FIELDS) and these delays, or None."
+def _load_result(path:Path, cfg:dict, delays, episodes_per_env:int) -> dict|None:
+    "A saved result of this config (fields outside NEUTRAL_FIELDS), evaluated at these delays on as many episodes, or None."
     if not path.exists(): return None
     r = json.loads(path.read_text())
     what = lambda c: {k: v for k, v in c.items() if k not in NEUTRAL_FIELDS}
-    if what(r['cfg']) != what(json.loads(json.dumps(cfg))) or r['delays'] != list(delays): return None   # another config: run it again
+    if what(r['cfg']) != what(json.loads(json.dumps(cfg))) or r['delays'] != list(delays) or r.get('episodes_per_env') != episodes_per_env:
+        return None                                                     # another config or evaluation: run it again
     r['by_delay'] = {int(D): s for D, s in r['by_delay'].items()}
     return r
 
@@ -962,7 +963,7 @@ def run_experiment(specs:dict, # name -> the RLConfig fields that differ from `b
             cfg = asdict(RLConfig(**{**asdict(base), **over, 'seed': seed}))
             if workers > 1: cfg['threads'] = 1                  # what a worker process runs with, so what its result records
             path = None if out_dir is None else Path(out_dir)/f"{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_')}-seed{seed}.json"
-            saved = None if path is None else _load_result(path, cfg, delays)
+            saved = None if path is None else _load_result(path, cfg, delays, episodes_per_env)
             if saved is not None: results[name, seed] = saved
             else: jobs.append((name, seed, cfg, None if path is None else str(path)))
     if out_dir is not None: Path(out_dir).mkdir(parents=True, exist_ok=True)

@@ -164,7 +164,7 @@ def load_ljspeech(folder=None, # an LJ Speech folder; None: the course's 385 cli
                   **read_kw, # passed to `read_clip` (sample_rate, downmix, max_clipped)
                  ) -> dict: # {split: Corpus of µ-law codes, one document per clip, named by clip id}
     "LJ Speech as µ-law token corpora split by clip (`ljspeech_split`), a memory reset at every clip."
-    if folder is None: folder, last_id = ljspeech_folder(), LJSPEECH_HELD.last_id
+    if folder is None: folder, last_id = ljspeech_folder(), LJSPEECH_HELD.last_id if last_id is None else last_id
     folder = Path(folder)
     clips = [(i, p) for i, p in ljspeech_clips(folder) if last_id is None or i <= last_id]
     bad = [s for s in splits if s not in SPLITS]
