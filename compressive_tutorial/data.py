@@ -4,13 +4,13 @@
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'ENWIK8_URL', 'ENWIK8_SIZE', 'ENWIK8_MD5', 'SPLITS', 'WIKITEXT103_PARQUET', 'PG19_PARQUET',
-           'PG19_WORDS', 'BOOKS_COLUMNS', 'BOOKS_SOURCES', 'GITENBERG_FILES', 'NLTK_GUTENBERG_ZIP', 'DEBIAN_MIRRORS',
-           'BIBLE_DEBS', 'ByteTokenizer', 'Document', 'Corpus', 'encode_documents', 'repo_root', 'data_cache_dir',
-           'find_shared_data', 'file_digest', 'verify_file', 'download_file', 'get_enwik8', 'load_enwik8',
-           'strip_gutenberg', 'read_text', 'hash_split', 'read_split_table', 'load_books', 'count_words', 'split_table',
-           'load_wikitext103', 'load_pg19', 'SubwordTokenizer', 'train_sentencepiece', 'word_perplexity', 'Batch',
-           'StreamLoader', 'plot_stream_layout', 'fixture_download', 'books_sources_tsv', 'book_source', 'sha256_file',
-           'verify_sha256', 'extract_deb', 'fetch_books', 'books_folder']
+           'PG19_WORDS', 'PG19_BOOKS', 'BOOKS_COLUMNS', 'BOOKS_SOURCES', 'GITENBERG_FILES', 'NLTK_GUTENBERG_ZIP',
+           'DEBIAN_MIRRORS', 'BIBLE_DEBS', 'ByteTokenizer', 'Document', 'Corpus', 'encode_documents', 'repo_root',
+           'data_cache_dir', 'find_shared_data', 'file_digest', 'verify_file', 'download_file', 'get_enwik8',
+           'load_enwik8', 'strip_gutenberg', 'read_text', 'hash_split', 'read_split_table', 'load_books', 'count_words',
+           'split_table', 'load_wikitext103', 'load_pg19', 'SubwordTokenizer', 'train_sentencepiece', 'word_perplexity',
+           'Batch', 'StreamLoader', 'plot_stream_layout', 'fixture_download', 'books_sources_tsv', 'book_source',
+           'sha256_file', 'verify_sha256', 'extract_deb', 'fetch_books', 'books_folder']
 
 # %% ../nbs/00_data.ipynb #dd36864d
 import csv, hashlib, io, math, os, re, urllib.request, warnings, zipfile
@@ -492,6 +492,7 @@ def train_sentencepiece(texts, # training text: a str, or a list of str / `Docum
 
 # %% ../nbs/00_data.ipynb #4de34d82
 PG19_WORDS = {'train': 1_973_136_207, 'valid': 3_007_061, 'test': 6_966_499}  # words per PG-19 split (paper Table 2)
+PG19_BOOKS = {'train': 28_602, 'valid': 50, 'test': 100}                         # and books
 
 # %% ../nbs/00_data.ipynb #95774124
 def word_perplexity(total_nats:float, # L: summed cross-entropy (natural log) over every token of the split
