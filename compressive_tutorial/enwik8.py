@@ -187,7 +187,7 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
                    preset:Enwik8Preset, # the run
                    data:dict, # {'train', 'valid', ...}: byte-level Corpus (`load_corpus`)
                    device=None, # None: CUDA when available, else CPU
-                   max_minutes:float|None=None, # stop at the first checkpoint after this many minutes (None: train to the end)
+                   max_minutes:float|None=None, # stop at the checkpoint after which another chunk, as long as the last, would end past this many minutes (None: train to the end)
                    progress:bool=True, # a tqdm bar with loss, bits per byte and tokens/s
                   ) -> Trainer:
     "Start the run in `folder`, or continue it from its last checkpoint; train in chunks of `ckpt_every`, saving after each."
@@ -215,12 +215,14 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     row = dict(session=os.urandom(6).hex(), start_step=start, hardware=hardware(dev, tcfg.precision), date=time.strftime('%Y-%m-%d %H:%M'))
     if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats(dev)
     while trainer.step < preset.steps:                                  # chunks of ckpt_every; fit saves after each
+        t_chunk = time.perf_counter()
         try: trainer.fit(min(preset.steps, (trainer.step // preset.ckpt_every + 1) * preset.ckpt_every))
         finally:                                                        # this session's line, after every chunk: a kill loses none
             if trainer.step > start:
                 _record_session(folder, {**row, 'end_step': trainer.step, 'wall_s': round(time.perf_counter() - t0, 2),
                                          'peak_gpu_gib': torch.cuda.max_memory_allocated(dev) / GIB if dev.type == 'cuda' else None})
-        if max_minutes is not None and time.perf_counter() - t0 >= 60 * max_minutes: break
+        now = time.perf_counter()
+        if max_minutes is not None and (now - t0) + (now - t_chunk) > 60 * max_minutes: break   # the next chunk would end too late
     return trainer
 
 def sessions(folder) -> list:
