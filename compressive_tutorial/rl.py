@@ -727,8 +727,8 @@ def impala_loss(agent:Agent, # the learner's agent
     loss = pg + cfg.baseline_cost * baseline - cfg.entropy_cost * entropy
     stats = dict(loss=loss.item(), pg=pg.item(), baseline=baseline.item(), entropy=entropy.item(),
                  rho_mean=vt.rhos.mean().item(), log_rho_abs=(ro.behaviour_logp - logp).abs().mean().item(),
-                 rho_clipped=(vt.rhos > cfg.rho_bar).float().mean().item(),
-                 c_clipped=(vt.rhos > cfg.c_bar).float().mean().item())
+                 rho_clipped=(vt.rhos > cfg.rho_bar * (1 + 1e-5)).float().mean().item(),   # beyond rounding: an attention core's
+                 c_clipped=(vt.rhos > cfg.c_bar * (1 + 1e-5)).float().mean().item())       # replay differs from its steps in the last bits
     return loss, stats
 
 # %% ../nbs/12_rl.ipynb #48c20207
@@ -753,11 +753,11 @@ class RLTrainer:
             self.curriculum.apply(self.envs)
         self.actor = Actor(self.envs, self.agent, cfg.unroll, cfg.seed)
         self.update, self.frames, self.seconds, self.history = 0, 0, 0.0, []
-        self._stats, self._episodes = [], []                       # since the last history row
+        self._stats, self._episodes, self._row_seconds = [], [], 0.0   # since the last history row; `seconds` at that row
         self.checkpoint = None                                     # (path, update) of the last checkpoint written
 
     def learner_step(self, ro:Rollout) -> dict:
-        "One Adam step on IMPALA's loss (and one on the compression loss for f_c, if the core has one); the new weights join the lag queue."
+        "One Adam step on IMPALA's loss (and one for f_c, if it has parameters and a gradient: from its compression loss, or from the task loss in 'bptt' mode); the new weights join the lag queue."
         loss, stats = impala_loss(self.agent, ro, self.cfg)
         aux = getattr(self.agent.core, 'aux_loss', None)                      # Algorithm 2: its gradient reaches only f_c
         self.opt.zero_grad(set_to_none=True)
@@ -765,14 +765,13 @@ class RLTrainer:
         (loss if aux is None else loss + aux).backward()
         stats['grad_norm'] = nn.utils.clip_grad_norm_(self.opt.param_groups[0]['params'], self.cfg.max_grad_norm).item()
         checks = dict(loss=stats['loss'], **{'gradient norm': stats['grad_norm']})
-        if aux is not None:
-            stats['aux'] = aux.item()
-            checks.update(**{'compression loss': stats['aux'], "compression network's gradient norm":   # f_c: not clipped above
-                             nn.utils.get_total_norm([p.grad for p in self.aux_opt.param_groups[0]['params'] if p.grad is not None]).item()})
+        if aux is not None: stats['aux'] = checks['compression loss'] = aux.item()
+        comp = [] if self.aux_opt is None else [p.grad for p in self.aux_opt.param_groups[0]['params'] if p.grad is not None]
+        if comp: checks["compression network's gradient norm"] = nn.utils.get_total_norm(comp).item()   # f_c: not clipped above
         for what, v in checks.items():                                        # before any step: the weights stay finite
             if not math.isfinite(v): raise self._diverged(f"the {what} is {v}")
         self.opt.step()
-        if aux is not None: self.aux_opt.step()
+        if comp: self.aux_opt.step()                                          # pooling and most-used have no parameters
         self.lag.push(self.agent)
         return stats
 
@@ -784,17 +783,17 @@ class RLTrainer:
                               f"{self.cfg.max_grad_norm:.3g}); the update was not applied and {kept}. Lower lr (or max_grad_norm), "
                               "or check the environment's rewards, and train again.")
 
-    def _log(self, dt:float) -> dict:
-        "Summarise the updates and episodes since the last row."
+    def _log(self) -> dict:
+        "Summarise the updates and episodes since the last row (frames per second: of the actor-learner loop's own time)."
         eps, st = self._episodes, self._stats
         row = dict(update=self.update, frames=self.frames, episodes=len(eps),
                    success=float(np.mean([e['success'] for e in eps])) if eps else None,
                    ret=float(np.mean([e['ret'] for e in eps])) if eps else None,
                    length=float(np.mean([e['length'] for e in eps])) if eps else None,
-                   fps=len(st) * self.cfg.frames_per_update / dt, seconds=self.seconds,
+                   fps=len(st) * self.cfg.frames_per_update / max(self.seconds - self._row_seconds, 1e-9), seconds=self.seconds,
                    **{k: float(np.mean([s[k] for s in st if k in s])) for k in dict.fromkeys(k for s in st for k in s)})
         if self.curriculum is not None: row['d_max'] = self.curriculum.d_max
-        self.history.append(row); self._stats, self._episodes = [], []
+        self.history.append(row); self._stats, self._episodes, self._row_seconds = [], [], self.seconds
         return row
 
     def train(self, updates:int|None=None # train until this many updates in all (None: cfg.updates)
@@ -813,7 +812,7 @@ class RLTrainer:
         old_threads = torch.get_num_threads()
         if cfg.threads is not None: torch.set_num_threads(cfg.threads)
         bar = tqdm(total=target, initial=self.update, disable=not cfg.progress, mininterval=1, ncols=120, unit='upd')
-        t_row = time.perf_counter()
+        flushed = False
         try:
             while self.update < target and stop.signum is None:
                 t0 = time.perf_counter()
@@ -822,16 +821,17 @@ class RLTrainer:
                 self.update += 1; self.frames += cfg.frames_per_update; self.seconds += time.perf_counter() - t0
                 if self.curriculum is not None and self.curriculum.update([e['success'] for e in eps], [e.get('d_max') for e in eps]): self.curriculum.apply(self.envs)
                 if self.update % cfg.log_every == 0:
-                    row = self._log(time.perf_counter() - t_row); t_row = time.perf_counter()
+                    row = self._log()
                     post = dict(frames=f"{self.frames:,}", success='-' if row['success'] is None else f"{row['success']:.2f}",
                                 fps=f"{row['fps']:,.0f}", rho=f"{row['rho_mean']:.2f}", clipped=f"{row['rho_clipped']:.2f}")
                     if self.curriculum is not None: post['D_max'] = self.curriculum.d_max
                     bar.set_postfix(**post, refresh=False)
                 if cfg.ckpt_every and self.ckpt_dir is not None and self.update % cfg.ckpt_every == 0: self.save()
                 bar.update(1)
+            if self._stats: self._log(); flushed = True   # the updates since the last row (a target or a stop off the log grid)
         finally:
             bar.close(); torch.set_num_threads(old_threads)
-        if self.ckpt_dir is not None and self.checkpoint != (self.ckpt_dir/'last.safetensors', self.update): self.save()
+        if self.ckpt_dir is not None and (flushed or self.checkpoint != (self.ckpt_dir/'last.safetensors', self.update)): self.save()
         if stop.signum is not None:                # stopped by a signal: after a whole update, saved, then stop as asked
             raise TrainingInterrupted(stop.signum, self.update, None if self.ckpt_dir is None else self.checkpoint[0])
 
@@ -844,7 +844,8 @@ class RLTrainer:
         for i, snap in enumerate(self.lag.snapshots): tensors.update({f'lag.{i}.{k}': v for k, v in snap.items()})
         cur = None if self.curriculum is None else dict(d_max=self.curriculum.d_max, recent=list(self.curriculum.recent))
         meta = dict(cfg=asdict(self.cfg), update=self.update, frames=self.frames, seconds=self.seconds, history=self.history,
-                    opt=opt_skel, aux_opt=aux_skel, n_lag=len(self.lag.snapshots), curriculum=cur)
+                    opt=opt_skel, aux_opt=aux_skel, n_lag=len(self.lag.snapshots), curriculum=cur,
+                    row=dict(stats=self._stats, episodes=self._episodes, seconds=self._row_seconds))   # the row under way
         return tensors, meta
 
     def save(self, path=None # where (None: ckpt_dir/last.safetensors)
@@ -875,6 +876,7 @@ class RLTrainer:
         for i in range(meta['n_lag']):
             tr.lag.snapshots.append({k[len(f'lag.{i}.'):]: v for k, v in tensors.items() if k.startswith(f'lag.{i}.')})
         tr.update, tr.frames, tr.seconds, tr.history = meta['update'], meta['frames'], meta['seconds'], meta['history']
+        if 'row' in meta: tr._stats, tr._episodes, tr._row_seconds = meta['row']['stats'], meta['row']['episodes'], meta['row']['seconds']
         if meta['curriculum'] is not None and tr.curriculum is not None:
             tr.curriculum.d_max = meta['curriculum']['d_max']; tr.curriculum.recent.extend(meta['curriculum']['recent'])
             tr.curriculum.apply(tr.envs)
