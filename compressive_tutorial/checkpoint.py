@@ -74,10 +74,11 @@ def unflatten_tree(skel, # the skeleton from `flatten_tree`
 
 # %% ../nbs/90_appendix_checkpoints.ipynb #830b3e88
 def rng_state() -> tuple: # ({name: tensor}, JSON-able dict)
-    "The torch (CPU and CUDA), python `random` and numpy random states."
+    "The torch (CPU, CUDA and Apple's MPS), python `random` and numpy random states."
     tensors = {'rng.torch': torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()): tensors[f'rng.cuda.{i}'] = s
+    if torch.backends.mps.is_available(): tensors['rng.mps'] = torch.mps.get_rng_state()
     version, state, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return tensors, {'python': [version, list(state), gauss], 'numpy': [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
@@ -89,6 +90,7 @@ def set_rng_state(tensors:dict, # the tensors from `rng_state`
     torch.set_rng_state(tensors['rng.torch'])
     cuda = sorted((k for k in tensors if k.startswith('rng.cuda.')), key=lambda k: int(k.rsplit('.', 1)[1]))
     if cuda and torch.cuda.is_available(): torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+    if 'rng.mps' in tensors and torch.backends.mps.is_available(): torch.mps.set_rng_state(tensors['rng.mps'])
     version, state, gauss = js['python']; random.setstate((version, tuple(state), gauss))
     name, keys, pos, has_gauss, cached = js['numpy']; np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 

@@ -116,9 +116,10 @@ def compression_parameters(model:nn.Module) -> list:
     return [p for p in fn() if p.requires_grad] if callable(fn) else []
 
 def _iter_from(loader, start:int):
-    "Iterate a loader from window `start`: `loader.windows(start)` when it has it (StreamLoader), else by skipping."
+    "Iterate a loader from window `start`: `loader.windows(start)` when it has it (StreamLoader), else by skipping (exact on resume only for a loader without random order)."
     if hasattr(loader, 'windows'): return iter(loader.windows(start))
-    return itertools.islice(iter(loader), start, None)
+    with torch.random.fork_rng(devices=[]): it = iter(loader)        # a DataLoader draws its seed here: not from the run's generator
+    return itertools.islice(it, start, None)
 
 # %% ../nbs/06_training.ipynb #adam-fused-code
 def make_adam(params, # the parameters (any iterable)
@@ -434,13 +435,13 @@ class Trainer:
         else: opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def _diverged(self, what:str, step:int) -> NonFiniteError:
-        "The error that stops a run diverged at iteration `step`; a checkpoint of the very weights that diverged is rolled back first."
+    def _diverged(self, what:str, step:int, rollback:bool=True) -> NonFiniteError:
+        "The error that stops a run diverged at iteration `step`; a checkpoint of the very weights that diverged is rolled back first, if it is this run's own `ckpt_dir/last.safetensors` (never a file it was resumed from elsewhere)."
         kept = "no checkpoint was written"
         if self.checkpoint is not None and self.rank != 0: kept = "rank 0 handles the checkpoint"
         elif self.checkpoint is not None:
             path, at = self.checkpoint
-            if at == step:                                                # it holds the weights that just gave `what`
+            if rollback and at == step and self.ckpt_dir is not None and path == self.ckpt_dir/'last.safetensors':   # it holds the weights that just gave `what`
                 prev = previous_checkpoint(path)
                 if prev.is_file():
                     os.replace(prev, path); self.checkpoint = (path, load_checkpoint(path)[1]['step'])
@@ -520,6 +521,7 @@ class Trainer:
         if stopping is None: stopping = self._agree(stop.signum, False)[0]  # a signal after the last agreement stops the run too
         self._tick()
         if self.ckpt_dir is not None and self.checkpoint != (self.ckpt_dir/'last.safetensors', self.step): self.save()
+        if stopping is None: stopping = self._agree(stop.signum, False)[0]  # and one during that save: it is written, stop now
         if stopping is not None:
             raise TrainingInterrupted(stopping, self.step, None if self.ckpt_dir is None else self.checkpoint[0])
 
@@ -565,7 +567,8 @@ class Trainer:
             if self.ckpt_dir is None: raise ValueError("save() needs a path, or a Trainer(..., ckpt_dir=...)")
             self.ckpt_dir.mkdir(parents=True, exist_ok=True); path = self.ckpt_dir/'last.safetensors'
         bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
-        if bad: raise self._diverged(f"the weights are not finite ({bad[0]}{' and more' if len(bad) > 1 else ''}); not saved", self.step)
+        if bad: raise self._diverged(f"the weights are not finite ({bad[0]}{' and more' if len(bad) > 1 else ''}); not saved", self.step,
+                                     rollback=False)                     # the checkpoints were finite when written: keep them
         tensors, meta = self.state_dict()                                         # (DDP: gathers every rank's memories)
         if self.rank == 0: path = save_checkpoint(path, tensors, meta, on_chunk=on_chunk, keep_previous=True)
         self.checkpoint, self._saved_at = (Path(path), self.step), self._clock()
@@ -586,7 +589,9 @@ class Trainer:
             if saved != (opt is not None):
                 raise ValueError(f"the checkpoint {'has' if saved else 'has no'} optimiser '{name}' but this trainer "
                                  f"{'has none' if saved else 'has one'}: resume with the same model class and config.")
-            if opt is not None: load_optimizer_state(opt, unflatten_tree(meta['skeleton'][name], tensors))
+            if opt is not None:
+                load_optimizer_state(opt, unflatten_tree(meta['skeleton'][name], tensors))
+                for g in opt.param_groups: g.update(betas=self.cfg.betas, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)   # this config's (lr: `_step`)
         for n, p in self.model.named_parameters():
             g = tensors.get(f'grad.{n}')
             p.grad = None if g is None else g.to(p.device, p.dtype)
