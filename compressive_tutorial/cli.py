@@ -27,6 +27,7 @@ from .train import (
 from .checkpoint import (
     TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, load_weights, folder_lock)
 from .bench import BENCH_CPU, BENCH_GPU, BenchConfig, RUNNERS, run_benchmark, report
+from .experiments import _data_key
 from .synthetic import RecallConfig, recall_models, run_demo
 
 # %% ../nbs/10_cli.ipynb #89566b87
@@ -230,13 +231,16 @@ def device_memory(device:torch.device) -> int|None:
     except (ValueError, OSError, AttributeError): return None
 
 def check_fits(kind:str, mcfg:XLConfig, rcfg:RunConfig, device:torch.device,
-               have:int|None=None # bytes available (None: `device_memory(device)`)
+               have:int|None=None, # bytes available (None: `device_memory(device)`)
+               world:int=1 # processes training together (DDP), each with batch_size / world streams
               ):
     "Refuse a run whose training memory estimate exceeds the device's memory: a ConfigError with the numbers."
-    est, have = memory_estimate(kind, mcfg, rcfg), have or device_memory(device)
-    if have is not None and est['bytes'] > have:
-        raise ConfigError(f"this model does not fit: {est['params']:,.3g} parameters and batch_size={rcfg.batch_size} need about "
-                          f"{est['bytes'] / 1e9:,.3g} GB to train (16 bytes a parameter, plus activations), and {device.type} memory "
+    est, have = memory_estimate(kind, mcfg, dataclasses.replace(rcfg, batch_size=max(1, rcfg.batch_size // world))), have or device_memory(device)
+    need = est['bytes'] * (1 if device.type == 'cuda' else world)        # CUDA: a GPU per process; CPU: one memory for them all
+    per = '' if world == 1 else f" ({rcfg.batch_size // world} per process, {world} processes{'' if device.type == 'cuda' else ' in one memory'})"
+    if have is not None and need > have:
+        raise ConfigError(f"this model does not fit: {est['params']:,.3g} parameters and batch_size={rcfg.batch_size}{per} need about "
+                          f"{need / 1e9:,.3g} GB to train (16 bytes a parameter, plus activations), and {device.type} memory "
                           f"is {have / 1e9:,.3g} GB; lower d_model, d_ff, n_layers or batch_size with --set")
 
 # %% ../nbs/10_cli.ipynb #277c1113
@@ -294,12 +298,13 @@ class Run:
     train:TrainConfig
     run:RunConfig
     fixed:tuple = ()    # schedule fields set explicitly (--set), which keep their values when --steps changes
+    data:dict|None = None   # each split's bytes, documents and content hash when it started (None: not recorded yet)
 
     def save(self) -> Path:
         "Write config.json atomically."
         self.path.mkdir(parents=True, exist_ok=True)
         js = dict(format=RUN_FORMAT, kind=self.kind, preset=self.preset, corpus=self.corpus,
-                  model=asdict(self.model), train=asdict(self.train), run=asdict(self.run), fixed=list(self.fixed))
+                  model=asdict(self.model), train=asdict(self.train), run=asdict(self.run), fixed=list(self.fixed), data=self.data)
         tmp = self.path/'.config.json.tmp'
         tmp.write_text(json.dumps(js, indent=1) + '\n'); tmp.replace(self.path/'config.json')
         return self.path/'config.json'
@@ -314,12 +319,23 @@ class Run:
             js = json.loads(f.read_text())
             if js.get('format') != RUN_FORMAT: raise ValueError(f"format {js.get('format')!r}, expected {RUN_FORMAT!r}")
             return cls(path, js['kind'], js['preset'], js['corpus'], MODEL_KINDS[js['kind']].config(**js['model']),
-                       TrainConfig.from_dict(js['train']), RunConfig(**js['run']), tuple(js.get('fixed', ())))
+                       TrainConfig.from_dict(js['train']), RunConfig(**js['run']), tuple(js.get('fixed', ())), js.get('data'))
         except (ValueError, KeyError, TypeError, AttributeError) as e:   # not JSON, a missing or unknown field, a bad value
             raise ValueError(f"{f} is damaged or not a `ct` run config ({type(e).__name__}: {e})") from None
 
     @property
     def checkpoint(self) -> Path: return self.path/CKPT_NAME
+
+    def check_data(self, corpora:dict # {split: Corpus} as loaded now
+                  ) -> dict: # the data key of `corpora`
+        "Refuse data that differs from what the run started with: a book added to a folder moves others between splits."
+        key = json.loads(json.dumps(_data_key(corpora)))
+        if self.data is not None and key != self.data:
+            moved = [s for s in key if key[s] != self.data.get(s)]
+            raise ConfigError(f"{_q(self.corpus)} is not the data {_q(self.path)} started with: its {'/'.join(moved)} split(s) changed "
+                              "(a book added, removed or edited moves books between splits; in one .txt file, bytes). Restore the "
+                              "files, or start a new run on the data as it is now")
+        return key
 
     def load_model(self, device='cpu') -> tuple: # (model in eval mode, the training step of its weights)
         "The model rebuilt from the config, with the checkpoint's weights (refused if it was written for another model)."
@@ -350,13 +366,15 @@ def _threads(n:int|None):
     try: yield
     finally: torch.set_num_threads(before)
 
-def _loader(corpus:Corpus, split:str, batch_size:int, n_s:int) -> StreamLoader:
+def _loader(corpus:Corpus, split:str, batch_size:int, n_s:int,
+            fix:str|None=None # how the command lowers the streams (None: `ct train`'s --set)
+           ) -> StreamLoader:
     "Streams of one split; too short a split is a config problem (too many streams or too long a window)."
     try: return StreamLoader(corpus, batch_size, n_s)
     except ValueError as e:
         what = 'batch_size' if split == 'train' else 'eval_batch_size'
         raise ConfigError(f"the {split} split ({len(corpus):,} bytes) is too short for {what}={batch_size} streams of "
-                          f"n_s={n_s} bytes ({e}); lower them with --set, or use a longer text") from None
+                          f"n_s={n_s} bytes ({e}); {fix or 'lower them with --set'}, or use a longer text") from None
 
 def _say(*args):
     "Print a line of the command's report (under torchrun: rank 0 alone speaks)."
@@ -377,9 +395,10 @@ def run_from_args(args) -> Run:
     out = None if args.out is None else Path(args.out)
     if args.resume:
         if out is None: raise ConfigError("--resume needs --out RUN_DIR: the folder of the run to continue")
-        if args.preset or args.sets or args.device:
-            raise ConfigError("a resumed run keeps the config it started with: drop --preset/--set/--device (only --steps may change)")
+        if args.preset or args.sets:
+            raise ConfigError("a resumed run keeps the config it started with: drop --preset/--set (only --steps and --device may change)")
         run = Run.load(out)
+        if args.device: run.run = dataclasses.replace(run.run, device=args.device)   # another machine: a device it has
         if args.model not in (None, run.kind): raise ConfigError(f"--model {args.model}: the run in {_q(out)} is a {run.kind} model")
         if args.corpus is not None and corpus_spec(args.corpus) != run.corpus:
             raise ConfigError(f"{_q(out)} was trained on {_q(run.corpus)}, not {_q(corpus_spec(args.corpus))}: drop CORPUS or pass the same one")
@@ -394,16 +413,19 @@ def run_from_args(args) -> Run:
             _say(f"ct train: --steps {args.steps:,} stretches the schedule made for {run.run.steps:,} steps ({moved or 'nothing moves'}); "
                  f"the learning rate at step {step:,} goes from {lr_at(step, old):.3g} to {lr_at(step, run.train):.3g}")
             run.run = dataclasses.replace(run.run, steps=args.steps)
-        check_fits(run.kind, run.model, run.run, _device(run.run.device))
+        check_fits(run.kind, run.model, run.run, _device(run.run.device), world=dist_rank_world()[1])
         return run
-    if args.corpus is None: raise ConfigError("which corpus? `ct train enwik8`, `ct train books`, `ct train FOLDER` or `ct train FILE.txt`")
+    if args.corpus is None:
+        stray = [s for s in args.sets if '=' not in s]                  # `--set a=1 CORPUS`: argparse gave CORPUS to --set
+        raise ConfigError("which corpus? `ct train enwik8`, `ct train books`, `ct train FOLDER` or `ct train FILE.txt`" +
+                          (f" ({stray[0]!r} was read as a --set item: put the corpus before --set)" if stray else ''))
     kind, preset = args.model or 'ct', args.preset or 'cpu-tiny'
     sets = list(args.sets) + ([f'device={args.device}'] if args.device else [])
     mcfg, tcfg, rcfg = build_configs(kind, preset, sets, args.steps)
     fixed = tuple(k for k in SCHEDULE if any(s.partition('=')[0].strip() == k for s in sets))
     out = out or Path('runs')/f'{corpus_name(args.corpus)}-{kind}-{preset}'
-    check_fits(kind, mcfg, rcfg, _device(rcfg.device))                 # fail now, not after loading the data
     world = dist_rank_world()[1]
+    check_fits(kind, mcfg, rcfg, _device(rcfg.device), world=world)    # fail now, not after loading the data
     if rcfg.batch_size % (world * windows_per_call(mcfg)):
         raise ConfigError(f"batch_size={rcfg.batch_size} streams cannot be split over {world} processes: use a multiple of "
                           f"{world * windows_per_call(mcfg)} (change it with --set batch_size=...)")
@@ -422,6 +444,7 @@ def train_run(run:Run, # the run: its folder and configs (`run_from_args`)
     "Load the corpus, build the model, train it with `Trainer` (checkpointing into the run folder) and validate it."
     t0, out, R = time.perf_counter(), run.path, run.run
     corpora = load_corpus(run.corpus, download=download, cache=cache)                    # 1. the data
+    run.data = run.check_data(corpora)                                                  # the same as when the run started
     u = windows_per_call(run.model)                                                     # BPTT: B/2 streams of 2 windows per call
     train_dl = _loader(corpora['train'], 'train', R.batch_size // u, run.model.n_s * u)
     valid_dl = _loader(corpora['valid'], 'valid', R.eval_batch_size, run.model.n_s)
@@ -451,7 +474,8 @@ def train_run(run:Run, # the run: its folder and configs (`run_from_args`)
                               train_bpb=train_rows[-1]['bpb'] if train_rows else None), indent=1, allow_nan=False)
     if trainer.rank == 0: tmp = out/'.results.json.tmp'; tmp.write_text(results + '\n'); tmp.replace(out/'results.json')
     if train_rows: _say(f"  train bits per byte {train_rows[-1]['bpb']:.4f} (the last {run.train.log_every} steps)")
-    part = 'the whole split' if R.valid_batches is None else f'the first {R.valid_batches} windows; the whole split: ct eval {_q(out)}'
+    part = 'the whole split' if R.valid_batches is None else \
+           f"the first {R.valid_batches} windows; the whole split: ct eval {_q(out)}" + (f" --cache {_q(cache)}" if cache else '')
     _say(f"valid bits per byte: {res['bpb']:.4f} ({res['tokens']:,} bytes: {part})")
     _say(f"done in {wall:.1f} s; checkpoint {_q(run.checkpoint)}")
     return res
@@ -511,7 +535,8 @@ def eval_command(args, download=download_file) -> int:
     device = _device(args.device or run.run.device)
     model, step = run.load_model(device)                               # a damaged or foreign checkpoint is refused before the data
     corpora = load_corpus(run.corpus, download=download, cache=args.cache)
-    loader = _loader(corpora[args.split], args.split, B, run.model.n_s)
+    run.check_data(corpora)                                            # scored on the splits it was trained beside
+    loader = _loader(corpora[args.split], args.split, B, run.model.n_s, 'pass fewer streams with --batch-size')
     kw = {} if args.n_cm is None else dict(n_cm=args.n_cm)
     t0 = time.perf_counter()
     with _threads(run.run.threads): res = _finite(evaluate(model, loader, mem_len=args.n_m, max_batches=args.batches, precision=run.train.precision, **kw), f"the model of {_q(run.path)}")
@@ -527,7 +552,7 @@ def sample_command(args, download=None) -> int:
     "`ct sample`: continue a prompt with a trained run's model."
     run = Run.load(args.run_dir)
     tok = ByteTokenizer()
-    ids = tok.encode(args.prompt)                                      # (T,)
+    ids = tok.encode(os.fsencode(args.prompt))                         # (T,) the bytes as given, UTF-8 or not (the model reads bytes)
     if len(ids) == 0: raise ConfigError("--prompt is empty: give at least one character to continue")
     device = _device(args.device or run.run.device)
     model, step = run.load_model(device)
@@ -535,7 +560,7 @@ def sample_command(args, download=None) -> int:
     with _threads(run.run.threads):
         out = sample(model, ids, args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=g,
                      precision=run.train.precision)   # (n,)
-    print(args.prompt + tok.decode(out), flush=True)
+    print(tok.decode(torch.cat([ids, out.to(ids.device)])), flush=True)   # one decode: a character may straddle the two
     return 0
 
 # %% ../nbs/10_cli.ipynb #2d83995f
@@ -686,7 +711,7 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument('--steps', type=_int_at_least(1), help='iterations to train in total; the schedule stretches with it (with --resume too)')
     t.add_argument('--out', metavar='DIR', help='the run folder (default runs/CORPUS-MODEL-PRESET); one run at a time may use it')
     t.add_argument('--resume', action='store_true', help="continue the run in --out exactly where its checkpoint stopped (Ctrl-C or SIGTERM writes one and prints this command)")
-    t.add_argument('--device', help="'auto', 'cpu', 'cuda', 'cuda:N' or 'mps' (the same as --set device=...)")
+    t.add_argument('--device', help="'auto', 'cpu', 'cuda', 'cuda:N' or 'mps' (the same as --set device=...; with --resume, the device to go on with)")
     t.add_argument('--cache', metavar='DIR', help="where Enwik8 is cached (default data/ at the repo root, or $CT_CACHE_DIR)")
     t.set_defaults(func=train_command)
 

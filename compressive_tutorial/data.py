@@ -13,7 +13,7 @@ __all__ = ['IGNORE_INDEX', 'ENWIK8_URL', 'ENWIK8_SIZE', 'ENWIK8_MD5', 'SPLITS', 
            'sha256_file', 'verify_sha256', 'extract_deb', 'fetch_books', 'books_folder']
 
 # %% ../nbs/00_data.ipynb #dd36864d
-import csv, hashlib, io, math, os, re, urllib.request, warnings, zipfile
+import codecs, csv, hashlib, io, math, os, re, urllib.request, warnings, zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -287,8 +287,11 @@ SPLITS = ('train', 'valid', 'test')
 _SPLIT_ALIASES = {'train': 'train', 'valid': 'valid', 'validation': 'valid', 'dev': 'valid', 'test': 'test'}
 _CONTROL = bytes([*range(9), *range(14, 32), 127])   # control bytes that text does not contain (tab, newlines and form feed excepted)
 
+_LATIN1 = 'compressive_tutorial.latin-1'   # a decode error handler: the bytes that are not UTF-8, each as its Latin-1 character
+codecs.register_error(_LATIN1, lambda e: (e.object[e.start:e.end].decode('latin-1'), e.end))
+
 def read_text(path, # a text file
-              errors:str='latin-1', # not valid UTF-8: 'strict' raises, 'latin-1' decodes the file as Latin-1, 'replace' puts U+FFFD
+              errors:str='latin-1', # not valid UTF-8: 'strict' raises, 'latin-1' reads each byte that is not UTF-8 as Latin-1, 'replace' puts U+FFFD
              ) -> tuple: # (text, encoding used)
     "Decode a text file as UTF-8 (per `errors`), drop a byte-order mark and normalise line endings to '\\n'."
     if errors not in ('strict', 'latin-1', 'replace'):
@@ -300,7 +303,7 @@ def read_text(path, # a text file
             raise ValueError(f'{path} is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start:,} '
                              f'(near {raw[max(0, e.start - 20):e.start + 10]!r}). Convert the file to UTF-8, or pass '
                              "errors='latin-1' (decode such files as Latin-1) or errors='replace' (U+FFFD).") from None
-        text, enc = (raw.decode('latin-1'), 'latin-1') if errors == 'latin-1' else (raw.decode('utf-8', 'replace'), 'utf-8+replace')
+        text, enc = (raw.decode('utf-8', _LATIN1), 'latin-1') if errors == 'latin-1' else (raw.decode('utf-8', 'replace'), 'utf-8+replace')
     n_ctrl = len(raw) - len(raw.translate(None, _CONTROL))
     if n_ctrl > len(raw) // 1000:                                         # more than 0.1%: binary data, not text
         warnings.warn(f"{path} does not look like text: {n_ctrl:,} of its {len(raw):,} bytes are control bytes (NUL and the like)"
