@@ -66,6 +66,8 @@ class TrainConfig:
             v = getattr(self, name)
             if (v is not None or name != 'eval_batches') and (isinstance(v, bool) or not isinstance(v, int)):
                 raise TypeError(f"TrainConfig.{name}={v!r} must be an int (a number of iterations/windows).")
+        for name in ('lr_min', 'lr_max', 'eps', 'compression_lr_scale', 'weight_decay'):
+            if not math.isfinite(getattr(self, name)): raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be a finite number.")
         for name in ('lr_min', 'lr_max', 'eps', 'compression_lr_scale', 'decay_steps', 'update_every', 'log_every', 'clip_norm', 'eval_batches'):
             v = getattr(self, name)
             if v is not None and not v > 0: raise ValueError(f"TrainConfig.{name}={v!r} must be > 0.")
