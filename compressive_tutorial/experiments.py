@@ -141,7 +141,7 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
     resumed_at = trainer.step
     trainer.fit(steps); _sync(dev); wall = trainer.train_s                            # training seconds over every session (checkpointed)
     t0 = time.perf_counter()
-    ev = {s: evaluate(model, dl, max_batches=eval_windows) for s, dl in (('valid', valid_dl), ('test', test_dl))}
+    ev = {s: evaluate(model, dl, max_batches=eval_windows, precision=train_cfg.precision) for s, dl in (('valid', valid_dl), ('test', test_dl))}
     _sync(dev); eval_s = time.perf_counter() - t0                                    # 4. record everything
     n_comp = sum(p.numel() for p in getattr(model, 'compression_parameters', lambda: [])())
     res = dict(name=name, model_kind=model_kind, valid_bpb=ev['valid']['bpb'], test_bpb=ev['test']['bpb'],

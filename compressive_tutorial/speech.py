@@ -270,8 +270,10 @@ def get_ljspeech(folder=None, # where to keep LJSpeech-1.1.tar.bz2 and the extra
 def ljspeech_folder(download:Callable=download_file, # see `get_ljspeech`
                    ) -> Path: # a folder of LJ Speech clips (metadata.csv, flac/ or wavs/)
     "The course's clips: the shared copy (`find_shared_data()`) where it exists, else the full corpus, downloaded and verified (Colab)."
-    try: return find_shared_data()/'speech'/'ljspeech'
-    except FileNotFoundError: return get_ljspeech(download=download)
+    try: shared = find_shared_data()/'speech'/'ljspeech'
+    except FileNotFoundError: shared = None
+    if shared is not None and (shared/'metadata.csv').is_file(): return shared
+    return get_ljspeech(download=download)                              # no shared data, or shared data without speech
 
 
 # %% ../nbs/11_speech.ipynb #32de87d3
@@ -301,7 +303,9 @@ def code_entropy(tokens, # µ-law codes (any integer array)
                  n_classes:int=N_CLASSES # the number of codes
                 ) -> float: # bits per sample
     "Entropy of the code histogram in bits: the bits per sample of the best model that ignores context."
-    p = np.bincount(np.asarray(tokens, dtype=np.int64).ravel(), minlength=n_classes) / np.size(tokens)
+    t = np.asarray(tokens, dtype=np.int64).ravel()                     # a numpy array or a (CPU) tensor
+    if t.size == 0: raise ValueError("code_entropy needs at least one code: the clip or split is empty.")
+    p = np.bincount(t, minlength=n_classes) / t.size
     p = p[p > 0]
     return float(-(p * np.log2(p)).sum())
 
@@ -502,16 +506,15 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
     t_call = time.perf_counter()
     for p in points:
         if any(h['step'] == p for h in tests()): continue                          # evaluated before an interruption
-        train_s = tests()[-1]['train_s'] if tests() else 0.0
-        t0 = time.perf_counter(); trainer.fit(p); _sync(dev); train_s += time.perf_counter() - t0
-        t0 = time.perf_counter(); ev = evaluate(model, eval_dl['test'], max_batches=eval_chunks); _sync(dev)   # 3. ... and measure
+        trainer.fit(p); _sync(dev); train_s = trainer.train_s                      # training seconds over every session (checkpointed)
+        t0 = time.perf_counter(); ev = evaluate(model, eval_dl['test'], max_batches=eval_chunks, precision=train_cfg.precision); _sync(dev)   # 3. ... and measure
         trainer.history.append(dict(step=p, test_loss=ev['loss'], test_bps=ev['bpb'], test_samples=ev['tokens'],
                                     train_s=train_s, eval_s=time.perf_counter() - t0))
         if run_dir is not None: trainer.save()                                      # 4. nothing lost from here
         if time_budget_s is not None and time.perf_counter() - t_call >= time_budget_s and p < steps:
             if verbose: print(f'{name}: stopped at step {p} of {steps} (time budget {time_budget_s:.0f} s); call again to continue')
             return dict(name=name, kind=kind, done=False, step=p, steps=steps, curve=trainer.history, model=model)
-    t0 = time.perf_counter(); va = evaluate(model, eval_dl['valid'], max_batches=eval_chunks); _sync(dev)
+    t0 = time.perf_counter(); va = evaluate(model, eval_dl['valid'], max_batches=eval_chunks, precision=train_cfg.precision); _sync(dev)
     last = tests()[-1]
     res = dict(name=name, kind=kind, done=True, test_bps=last['test_bps'], test_loss=last['test_loss'], valid_bps=va['bpb'],
                eval_samples=last['test_samples'], steps=steps, batch_size=batch_size, chunk=chunk,
