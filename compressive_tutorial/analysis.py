@@ -37,10 +37,10 @@ def _check_record(record):
     if not isinstance(record, AttentionRecord):
         raise TypeError(f"record must be an AttentionRecord (from model.attention_records), got {type(record).__name__}.")
     if record.probs.dim() != 4: raise ValueError(f"record.probs must be (B, H, T, K), got shape {tuple(record.probs.shape)}.")
-    K = record.n_cm + record.n_m + record.T
+    K = record.n_cm + record.n_m + record.n_open + record.T             # n_open: the window's steps from earlier calls
     if record.probs.shape[2] != record.T or record.probs.shape[3] != K:
         raise ValueError(f"record.probs has shape {tuple(record.probs.shape)} but n_cm={record.n_cm}, n_m={record.n_m}, "
-                         f"T={record.T} need (B, H, {record.T}, {K}): the record does not match its segment sizes.")
+                         f"n_open={record.n_open}, T={record.T} need (B, H, {record.T}, {K}): the record does not match its segment sizes.")
 
 # %% ../nbs/07_analysis.ipynb #a937cb28
 def attention_buckets(record:AttentionRecord, # one layer's attention in one window (`model.attention_records[i]`)
@@ -57,7 +57,8 @@ def attention_buckets(record:AttentionRecord, # one layer's attention in one win
     if queries == 'all': slot = p.mean(1)                              # (B, K) 2. mean over all T queries (masked pairs are 0)
     else:
         seen = torch.full((K,), float(T), dtype=torch.float64, device=p.device)     # (K,) queries that see each key
-        seen[N:] = T - torch.arange(T, dtype=torch.float64, device=p.device)       # window key j: queries j..T-1
+        own = torch.arange(K - N, dtype=torch.float64, device=p.device) - record.n_open   # window key j: the queries' own step j
+        seen[N:] = T - own.clamp(min=0)                                 # is seen by queries j..T-1; earlier (open) steps by all
         slot = p.sum(1) / seen                                         # (B, K) 2'. mean over the queries that see the slot
     if valid is not None:
         if valid.shape != (B, N): raise ValueError(f"valid must be (B, n_cm + n_m) = ({B}, {N}), got {tuple(valid.shape)}.")

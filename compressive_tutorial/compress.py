@@ -70,6 +70,13 @@ class Compressor(nn.Module):
         "Subclasses map validated `old` (B, n, d) to (B, n/c, d); a slot whose block is all valid reads no invalid memory."
         raise NotImplementedError
 
+    def slot_valid(self, valid:Tensor, # (B, n) bool: which old memories belong to the current episode
+                   usage:Tensor|None=None # (B, n) as passed to `forward`
+                  )->Tensor: # (B, n/c) bool: which compressed slots read only valid memories
+        "A slot summarises its block of c memories: it is valid when all of them are."
+        B, n = valid.shape
+        return valid.view(B, n // self.c, self.c).all(2)
+
     def extra_repr(self): return f"d_model={self.d_model}, c={self.c}"
 
 # %% ../nbs/03_compression.ipynb #911f0a6a
@@ -167,9 +174,16 @@ class MostUsed(Compressor):
                              "accumulate it with `attention_usage` and pass f_c(old, usage)")
         if usage.shape != (B, n):
             raise ValueError(f"usage must be (B, n) = {(B, n)} to match the old memories, got {tuple(usage.shape)}")
-        if valid is not None: usage = usage.masked_fill(~valid, float('-inf')) # another episode's memories rank last
-        keep = most_used_indices(usage, self.c) # (B, n/c)
+        keep = self._keep(usage, valid) # (B, n/c)
         return old.gather(1, keep[..., None].expand(B, n // self.c, d)) # (B, n/c, d)
+
+    def _keep(self, usage, valid):
+        "Indices of the kept memories; another episode's memories rank last."
+        return most_used_indices(usage if valid is None else usage.masked_fill(~valid, float('-inf')), self.c)
+
+    def slot_valid(self, valid, usage=None):
+        "A slot is the one memory it keeps: valid when that memory is (not when its whole block of c is)."
+        return valid.gather(1, self._keep(usage, valid))
 
 # %% ../nbs/03_compression.ipynb #65520fd3
 COMPRESSORS = {

@@ -131,9 +131,11 @@ class XLLayer(nn.Module):
         return self.attn.project_kv(self.ln1(x) if self.pre_ln else x)
 
     def kv_tag(self) -> tuple:
-        "Identity of the weights behind `project_memory`: (storage, in-place version) each; an optimiser step or `load_state_dict` changes it, a write through `p.data` does not."
+        "Identity of the weights behind `project_memory` ((storage, in-place version) each: an optimiser step or `load_state_dict` changes it, a write through `p.data` does not), and the autocast dtype keys are made in."
         ps = [self.attn.k.weight, self.attn.v.weight] + ([self.ln1.weight, self.ln1.bias] if self.pre_ln else [])
-        return tuple((p.data_ptr(), p._version) for p in ps)
+        dev = ps[0].device.type
+        amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None   # keys cached in bf16 are not fp32 keys
+        return tuple((p.data_ptr(), p._version) for p in ps) + (amp,)
 
     def forward(self,
                 h:Tensor, # (B, T, d) the layer's input for this window
