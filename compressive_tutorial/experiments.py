@@ -56,6 +56,13 @@ def _nondefault(obj) -> dict:
         if getattr(obj, f.name) != default: out[f.name] = getattr(obj, f.name)
     return out
 
+def _stale(saved:dict, # a saved result's config as JSON stored it, {field: value}
+           cfg # the config it is being reloaded for
+          ) -> list: # the fields recorded with another value: a default changed since the result was made
+    "Fields of `cfg` (outside `_NOT_IN_KEY`) whose saved value differs: the key, made of non-default fields, cannot see that."
+    now = json.loads(json.dumps(asdict(cfg)))
+    return [k for k, v in now.items() if k not in _NOT_IN_KEY and k in saved and saved[k] != v]
+
 def _digest(corpus) -> str:
     "A short hash of a corpus's tokens and document starts: a run's key sees the text, not only its size."
     h = hashlib.sha1(corpus.tokens.tobytes()); h.update(corpus.doc_starts.tobytes())
@@ -118,12 +125,16 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
         wpath, jpath = _cache_paths(cache, name, key)
         if wpath.is_file() and jpath.is_file():                                       # 0. an earlier call did this run: reload it
             res, model = json.loads(jpath.read_text()), build_model(model_kind, cfg)
-            try: model.load_state_dict(load_file(str(wpath)))
-            except RuntimeError as e: print(f'{wpath.name} no longer fits the model ({str(e)[:80]}...): training again')
+            stale = [f'{p}{k}' for p, c in (('cfg.', cfg), ('train_cfg.', train_cfg))
+                     for k in _stale({k[len(p):]: v for k, v in res.items() if k.startswith(p)}, c)]
+            if stale: print(f'{jpath.name} was made with other values of {stale} (a default changed since): training again')
             else:
-                res.update(model=model.to(dev), cfg_obj=cfg, cached=True)
-                if verbose: print(describe(res))
-                return res
+                try: model.load_state_dict(load_file(str(wpath)))
+                except RuntimeError as e: print(f'{wpath.name} no longer fits the model ({str(e)[:80]}...): training again')
+                else:
+                    res.update(model=model.to(dev), cfg_obj=cfg, cached=True)
+                    if verbose: print(describe(res))
+                    return res
     seed_everything(seed)                                                             # 1. seed, build
     model = build_model(model_kind, cfg).to(dev)
     train_dl = StreamLoader(data['train'], batch_size // unroll, cfg.n_s * unroll)    # 2. contiguous training streams

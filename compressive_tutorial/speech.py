@@ -27,7 +27,7 @@ from .xl import TransformerXL, lm_loss
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, compression_parameters, evaluate, hardware, sample, seed_everything
 from .checkpoint import load_weights
-from .experiments import equal_cost_pair, run_label, _nondefault, _data_key, _run_key, _run_stem, _sync
+from .experiments import equal_cost_pair, run_label, _nondefault, _stale, _data_key, _run_key, _run_stem, _sync
 from .cli import n_params
 
 # %% ../nbs/11_speech.ipynb #48a9e0b7
@@ -495,6 +495,8 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
     model = build_model(kind, cfg).to(dev)
     if run_dir is not None and (run_dir/'result.json').is_file():                  # 0. done before: reload
         res = json.loads((run_dir/'result.json').read_text())
+        stale = [f'{p}.{k}' for p in ('cfg', 'train_cfg') for k in _stale(res[p], cfg if p == 'cfg' else train_cfg)]
+        if stale: raise ValueError(f"{run_dir} holds a run made with other values of {stale} (a default changed since): delete it to train again")
         load_weights(ckpt, model)
         res.update(model=model.eval(), cached=True)
         if verbose: print(describe_speech(res))
