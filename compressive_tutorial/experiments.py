@@ -63,6 +63,11 @@ def _stale(saved:dict, # a saved result's config as JSON stored it, {field: valu
     now = json.loads(json.dumps(asdict(cfg)))
     return [k for k, v in now.items() if k not in _NOT_IN_KEY and k in saved and saved[k] != v]
 
+def _check_split(data:dict, split:str, streams:int, length:int, fix:str):
+    "A clear error where `data[split]` cannot give even one window of `streams` x `length` tokens (plus the shifted target)."
+    if len(data[split]) < streams * length + 1:
+        raise ValueError(f"the {split} split has {len(data[split]):,} tokens, too few for {streams} streams of {length}: {fix}")
+
 def _digest(corpus) -> str:
     "A short hash of a corpus's tokens and document starts: a run's key sees the text, not only its size."
     h = hashlib.sha1(corpus.tokens.tobytes()); h.update(corpus.doc_starts.tobytes())
@@ -137,6 +142,8 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
                     return res
     seed_everything(seed)                                                             # 1. seed, build
     model = build_model(model_kind, cfg).to(dev)
+    _check_split(data, 'train', batch_size // unroll, cfg.n_s * unroll, 'lower batch_size or n_s')
+    for s in ('valid', 'test'): _check_split(data, s, eval_batch_size, cfg.n_s, 'lower eval_batch_size')
     train_dl = StreamLoader(data['train'], batch_size // unroll, cfg.n_s * unroll)    # 2. contiguous training streams
     valid_dl = StreamLoader(data['valid'], eval_batch_size, cfg.n_s)                  # 3. the fixed evaluation windows
     test_dl = StreamLoader(data['test'], eval_batch_size, cfg.n_s)

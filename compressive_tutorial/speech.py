@@ -27,7 +27,7 @@ from .xl import TransformerXL, lm_loss
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, compression_parameters, evaluate, hardware, sample, seed_everything
 from .checkpoint import load_weights
-from .experiments import equal_cost_pair, run_label, _nondefault, _stale, _data_key, _run_key, _run_stem, _sync
+from .experiments import equal_cost_pair, run_label, _nondefault, _stale, _check_split, _data_key, _run_key, _run_stem, _sync
 from .cli import n_params
 
 # %% ../nbs/11_speech.ipynb #48a9e0b7
@@ -481,6 +481,8 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
             raise ValueError(f"compression_loss='bptt' needs at least 2 windows per chunk: use chunk >= {2 * cfg.n_s}")
     name = name or speech_label(kind, cfg)
     dev = torch.device(device)
+    _check_split(data, 'train', batch_size, chunk, 'lower batch_size or chunk')
+    for s in ('test', 'valid'): _check_split(data, s, eval_streams, chunk, 'lower eval_streams or chunk')
     train_dl = StreamLoader(data['train'], batch_size, chunk)
     eval_dl = {s: StreamLoader(data[s], eval_streams, chunk) for s in ('test', 'valid')}
     for s, dl in eval_dl.items():
