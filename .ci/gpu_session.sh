@@ -2,11 +2,12 @@
 # The owed GPU work, one step per argument, on a lent GPU machine: no internet, no nbdev, PyTorch already installed,
 # the repository as the working directory, $OUT a folder whose files come back. .ci/GPU.md gives the plan.
 #
-#   bash .ci/gpu_session.sh tests bench                # the CUDA tests (pytest) and the GPU benchmark
+#   bash .ci/gpu_session.sh tests bench                # the tests (pytest: CUDA ones first) and the GPU benchmark
+#   bash .ci/gpu_session.sh cuda                       # only the CUDA tests
 #   bash .ci/gpu_session.sh nb:15_performance          # a notebook's `#| gpu` cells (with the cells they need)
 #   bash .ci/gpu_session.sh nb:09_books_char:7c21237b,7c21237c   # only these gpu cells (ids), beside the unflagged ones
 #
-# Each step's log and results go to $OUT: hardware.txt, pytest.log, bench-gpu.json + bench.log, NAME.ipynb + NAME.log.
+# Each step's log and results go to $OUT: hardware.txt, pytest.log (pytest-cuda.log), bench-gpu.json + bench.log, NAME.ipynb + NAME.log.
 # LIMIT_S=540 interrupts the step running 540 s after the command started (SIGINT, as Ctrl-C: the trainers checkpoint
 # and stop) and skips the rest, so that the command ends inside the machine's 10-minute limit with its files written;
 # run it again to go on.
@@ -40,10 +41,16 @@ for step in "$@"; do
     tests) first=(tests/test_*cuda*.py tests/test_fast_paths.py); rest=()   # the CUDA checks first: a time limit cuts the CPU ones
            for f in tests/test_*.py; do [[ " ${first[*]} " == *" $f "* ]] || rest+=("$f"); done
            limit $PY -m pytest -q -rA -p no:cacheprovider "${first[@]}" "${rest[@]}" 2>&1 | tee "$OUT/pytest.log" ;;
+    cuda)  # only the CUDA checks, each stopped after 180 s where pytest-timeout is installed, without the benchmark's smoke
+           # test when nb:15_performance runs the whole benchmark in the same command
+           to=$($PY -c 'import pytest_timeout' 2>/dev/null && echo --timeout=180)
+           limit $PY -m pytest -q -rA -p no:cacheprovider $to tests/test_*cuda*.py "tests/test_fast_paths.py::test_compiled_layers_equal_eager[cuda]" \
+             "tests/test_fast_paths.py::test_compiled_layers_equal_eager[cuda-graphs]" \
+             ${CT_SKIP_BENCH_SMOKE:+--deselect tests/test_attention_cuda.py::test_gpu_benchmark_smoke} 2>&1 | tee "$OUT/pytest-cuda.log" ;;
     bench) limit $PY -m compressive_tutorial.cli bench --preset gpu --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench.log" ;;
     nb:*)  name=${step#nb:}; ids=""; [[ $name == *:* ]] && { ids=${name#*:}; name=${name%%:*}; }; name=${name%.ipynb}
            limit $PY .ci/gpu_cells.py run "nbs/$name.ipynb" --out "$OUT/$name.ipynb" ${ids:+--cells ${ids//,/ }} 2>&1 | tee "$OUT/$name.log" ;;
-    *) echo "unknown step '$step': tests, bench or nb:NOTEBOOK" >&2; exit 2 ;;
+    *) echo "unknown step '$step': tests, cuda, bench or nb:NOTEBOOK" >&2; exit 2 ;;
   esac
   s=${PIPESTATUS[0]}; [ "$s" -eq 0 ] || rc=$s
   echo "== $step: exit $s after $((SECONDS - t0)) s"

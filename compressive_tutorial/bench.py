@@ -21,7 +21,7 @@ from .train import DEVICES, hardware, make_adam
 from .experiments import _sync
 
 # %% ../nbs/15_performance.ipynb #b1500009
-IMPLS = ('ours-ct', 'ours-txl', 'ours-ct-compiled', 'ours-ct-noaux', 'lucidrains-ct', 'labml-ct')   # what `RUNNERS` (below) builds
+IMPLS = ('ours-ct', 'ours-txl', 'ours-ct-compiled', 'ours-ct-cudagraphs', 'ours-ct-noaux', 'lucidrains-ct', 'labml-ct')   # what `RUNNERS` (below) builds
 
 @dataclass
 class BenchConfig:
@@ -72,7 +72,7 @@ class BenchConfig:
 
 BENCH_CPU = BenchConfig()
 BENCH_GPU = BenchConfig(n_layers=8, d_model=512, n_heads=8, d_ff=2048, n_s=512, n_m=512, n_cm=512, c=4, batch_size=16,
-                        dtype='bfloat16', device='cuda', reps=5, impls=('ours-ct', 'ours-ct-compiled', 'ours-txl', 'lucidrains-ct', 'labml-ct'))
+                        dtype='bfloat16', device='cuda', reps=5, impls=('ours-ct', 'ours-ct-compiled', 'ours-ct-cudagraphs', 'ours-txl', 'lucidrains-ct', 'labml-ct'))
 
 # %% ../nbs/15_performance.ipynb #b1500012
 def ct_flops_per_token(cfg:BenchConfig, # the sizes
@@ -120,15 +120,17 @@ class Runner:
 
 class OursRunner(Runner):
     "Our TransformerXL or CompressiveTransformer: the task loss trains the model, the reconstruction loss only f_c."
-    def __init__(self, cfg:BenchConfig, kind:str='ct', compiled:bool=False, aux:bool=True, **model_kw):
-        self.cfg, self.kind = cfg, kind
-        self.name = f'ours-{kind}' + ('-compiled' if compiled else '') + ('' if aux else '-noaux')
+    def __init__(self, cfg:BenchConfig, kind:str='ct', compiled:bool|str=False, aux:bool=True, **model_kw):
+        "compiled: False (eager), True (torch.compile's default mode) or 'reduce-overhead' (also CUDA graphs, on CUDA)"
+        self.cfg, self.kind, self.graphs = cfg, kind, compiled == 'reduce-overhead'
+        self.name = f'ours-{kind}' + ('-cudagraphs' if self.graphs else '-compiled' if compiled else '') + ('' if aux else '-noaux')
         m = CompressiveTransformer(cfg.ct(**model_kw)) if kind == 'ct' else TransformerXL(cfg.txl(**model_kw))
         self.model = m.to(cfg.device)
         if not aux:                                         # a measurement, not a configuration: the same model and f_c,
             self.model.compression_loss = CompressionLoss('none')   # but no Algorithm 2 (so f_c is never trained)
         if compiled:                                        # torch.compile each layer (the memory bookkeeping stays eager), for the
-            for layer in self.model.layers: layer.compile(dynamic=False)   # shapes of full memories only: see `warm_up`
+            for layer in self.model.layers:               # shapes of full memories only: see `warm_up`
+                layer.compile(dynamic=False, **({'mode': compiled} if isinstance(compiled, str) else {}))
             self.compiled = True
         self.opt = make_adam(self.model.parameters(), lr=1e-4)
         self.computes = ('relative attention (a)+(b)+(c)+(d) over [cm; m; window], K/V weight gradients, conv f_c, ' +
@@ -138,6 +140,7 @@ class OursRunner(Runner):
         self.reset()
     def reset(self): self.state = None
     def train_step(self, x, y):
+        if self.graphs: torch.compiler.cudagraph_mark_step_begin()   # a new window: the graphs' last outputs may be overwritten
         self.model.train()
         _, loss, self.state = self.model(x, self.state, targets=y)
         aux = getattr(self.model, 'aux_loss', None)
@@ -145,6 +148,7 @@ class OursRunner(Runner):
         self.opt.step(); self.opt.zero_grad(set_to_none=True)
     @torch.no_grad()
     def infer_step(self, x):
+        if self.graphs: torch.compiler.cudagraph_mark_step_begin()
         self.model.eval()
         _, _, self.state = self.model(x, self.state)
 
@@ -230,6 +234,7 @@ class LabmlRunner(Runner):
 
 RUNNERS = {'ours-ct': lambda cfg: OursRunner(cfg, 'ct'), 'ours-txl': lambda cfg: OursRunner(cfg, 'txl'),
            'ours-ct-compiled': lambda cfg: OursRunner(cfg, 'ct', compiled=True),
+           'ours-ct-cudagraphs': lambda cfg: OursRunner(cfg, 'ct', compiled='reduce-overhead'),   # CUDA: each layer's launches replayed as one graph
            'ours-ct-noaux': lambda cfg: OursRunner(cfg, 'ct', aux=False),   # what Algorithm 2 costs: the CT without it
            'lucidrains-ct': LucidrainsRunner, 'labml-ct': LabmlRunner}
 
@@ -314,19 +319,23 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
     res = {n: dict(train=[], infer=[], computes=r.computes, params=sum(p.numel() for p in r.model.parameters())) for n, r in runners.items()}
     mm = []
     names = list(runners)
+    def drop(n, phase, when, e):                           # one implementation that cannot run here must not cost the others' run
+        before = (f"; its training, measured before: median {statistics.median(res[n]['train']):,.0f} tok/s"
+                  if phase == 'infer' and res[n]['train'] else '')
+        skipped[n] = f"failed in the {phase} {when}: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0][:200]}{before}"
+        del runners[n], res[n]; names.remove(n)
     for phase in ('train', 'infer'):
         for n, r in list(runners.items()):                 # warm-up: fill memories (and let CUDA pick its kernels, or compile)
             try: r.warm_up(phase, xy, cfg)
-            except Exception as e:                         # one implementation that cannot run here must not cost the others' run
-                skipped[n] = f"failed in the {phase} warm-up: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
-                del runners[n], res[n]; names.remove(n)
+            except Exception as e: drop(n, phase, 'warm-up', e)
         for rep in range(cfg.reps):
             mm.append(mm_flops(dev, cfg.dtype, seconds=0.3))
             for n in names[rep % len(names):] + names[:rep % len(names)]:    # rotate the order every repetition
                 r = runners[n]
                 def step(i, r=r):
                     with _autocast(cfg): r.step(phase, *xy(i))
-                res[n][phase].append(cfg.steps * cfg.batch_size * cfg.n_s / _time(step, cfg.steps, dev))
+                try: res[n][phase].append(cfg.steps * cfg.batch_size * cfg.n_s / _time(step, cfg.steps, dev))
+                except Exception as e: drop(n, phase, 'timing', e)
             if progress: print(f"{phase} rep {rep + 1}/{cfg.reps}: " + '  '.join(f"{n} {res[n][phase][-1]:,.0f}" for n in names), flush=True)
     for n, r in runners.items():
         res[n]['flops_counted'] = counted_flops(r, cfg, *xy(0))
@@ -398,14 +407,14 @@ def report(r:dict # what `run_benchmark` returned
                   f"the ratios are to {ref}, the first that ran (choose with reference=NAME)", '']
     has_ref = ref in res
     ratios = lambda n, ph: [a / b for a, b in zip(res[n][ph], res[ref][ph])]   # one per repetition: same spell, same order
-    hdr = (f"{'implementation':<15}{'train tok/s':>12}{'x ' + ref[:10]:>15}{'infer tok/s':>13}{'x ' + ref[:10]:>15}"
+    hdr = (f"{'implementation':<19}{'train tok/s':>12}{'x ' + ref[:10]:>15}{'infer tok/s':>13}{'x ' + ref[:10]:>15}"
            f"{'MFLOP/tok tr/inf':>18}{'GFLOP/s train':>14}{'% of mm':>8}{'peak MiB tr/inf':>17}")
     lines += [hdr, '-' * len(hdr)]
     for n, v in res.items():
         ft, fi = v['flops_counted']
         ratio = lambda ph: f"{statistics.median(ratios(n, ph)):.2f}x" if has_ref else '-'
         pk = v.get('peak_mib')
-        lines.append(f"{n:<15}{v['train_tps']:>12,.0f}{ratio('train'):>15}{v['infer_tps']:>13,.0f}{ratio('infer'):>15}"
+        lines.append(f"{n:<19}{v['train_tps']:>12,.0f}{ratio('train'):>15}{v['infer_tps']:>13,.0f}{ratio('infer'):>15}"
                      f"{ft / 1e6:>8,.1f}/{fi / 1e6:<9,.1f}{ft * v['train_tps'] / 1e9:>14,.1f}{100 * ft * v['train_tps'] / mm:>7.0f}%"
                      f"{(f'{pk[0]:,.0f}/{pk[1]:,.0f}' if pk else '-'):>17}")
     lines += ['', '(MFLOP/tok: matmul FLOPs counted by torch.utils.flop_counter in one window, per token; tok/s: median over the '
@@ -418,8 +427,10 @@ def report(r:dict # what `run_benchmark` returned
     lines.append(f"model FLOPs per token (formula, ours): CT train {f['ct-train'] / 1e6:,.1f} M, infer {f['ct-infer'] / 1e6:,.1f} M; "
                  f"TXL train {f['txl-train'] / 1e6:,.1f} M, infer {f['txl-infer'] / 1e6:,.1f} M")
     peak = r.get('device_peak')
-    if peak and 'ours-ct' in res:
-        lines.append(f"MFU ours-ct training: {f['ct-train'] * res['ours-ct']['train_tps'] / peak:.1%} of {peak / 1e12:.0f} TFLOP/s")
+    ours = [n for n in res if n.startswith('ours-ct') and not n.endswith('-noaux')]   # the CT's work: what the formula counts
+    if peak and ours:
+        lines.append('MFU in training (the CT formula): ' + ', '.join(f"{n} {f['ct-train'] * res[n]['train_tps'] / peak:.1%}" for n in ours)
+                     + f" of {peak / 1e12:.0f} TFLOP/s")
     for n, why in r['skipped'].items(): lines.append(f"skipped {n}: {why}")
     lines += ['', 'what one training step computes:'] + [f"  {n}: {v['computes']}" for n, v in res.items()]
     return '\n'.join(lines)

@@ -156,7 +156,7 @@ class XLLayer(nn.Module):
         else:
             o = self.ln1(h + self.drop(a))                            # o = LayerNorm(Linear(a) + h)
             out = self.ln2(o + self.drop(self.ff(o)))                 # h' = LayerNorm(FF(o) + o)
-        if full: return r._replace(out=out)
+        if full: return AttnResult(out, r.probs, r.q, r.k, r.v)   # (not r._replace: torch 2.11's compiler fails on it)
         return (out, r.probs) if return_probs else out
 
 # %% ../nbs/02_transformer_xl.ipynb #dbe2ba06

@@ -2,7 +2,7 @@
 the cached inference path, the reused projections of the reconstruction loss, the host syncs of a training window, and a
 short form of the GPU benchmark.
 Every test here skips cleanly on a machine without CUDA."""
-import warnings
+import traceback, warnings
 from dataclasses import replace
 import pytest
 import torch
@@ -38,7 +38,8 @@ def test_fused_equals_explicit_fp32(T, M):
         out = m(h, mem, mv)
         grads.append((out, torch.autograd.grad(out.pow(2).sum(), [h] + list(m.parameters()))))
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-4, atol=1e-4)
-    for a, b in zip(grads[1][1], grads[0][1]): assert (a - b).abs().max() <= 1e-4 * b.abs().max(), 'gradients differ'
+    for a, b in zip(grads[1][1], grads[0][1]):   # relative to each gradient's size, but a gradient that is 0 (one key: every
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max() + 1e-5, 'gradients differ'   # score term) is 0 up to rounding
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
@@ -91,15 +92,21 @@ def test_a_training_window_syncs_once():
     tokens = torch.randint(0, 64, (3, 64), device=DEV)
     with torch.no_grad(): _, _, state = model(tokens[:, :32])               # memories full: every later window evicts
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
+    stacks = []                                                             # the Python stack at each synchronising call
+    def record(message, *args, **kw):
+        if 'synchroniz' in str(message): stacks.append(traceback.extract_stack()[:-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter('always'); warnings.showwarning = record
         torch.cuda.set_sync_debug_mode('warn')                              # a warning at every synchronising CUDA call
         try:
             _, loss, state = model(tokens[:, 32:], state, targets=tokens[:, 32:])   # 2 windows of n_s = 16
             (loss + model.aux_loss).backward()
         finally: torch.cuda.set_sync_debug_mode('default')
-    syncs = [f'{w.filename}:{w.lineno}' for w in caught if 'synchroniz' in str(w.message)]
-    assert len(syncs) == 2, f'{len(syncs)} syncs, expected 1 per window: {syncs}'
+    # count the syncs made by the model's code or in its backward pass (with torch 2.11 on an H100 a third warning came
+    # from a frame of torch/cuda/__init__.py; the message prints every one's stack)
+    ours = [s for s in stacks if any('compressive_tutorial' in f.filename or f.name == 'backward' for f in s)]
+    where = lambda s: ' <- '.join(f'{f.filename.split("site-packages/")[-1]}:{f.lineno}' for f in s[::-1][:4])
+    assert len(ours) == 2, f'{len(ours)} syncs in the model, expected 1 per window: ' + '; '.join(map(where, stacks))
 
 
 def test_gpu_benchmark_smoke():

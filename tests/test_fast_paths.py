@@ -78,9 +78,16 @@ def test_flops_formula_matches_the_counter():
         assert train == ct_flops_per_token(cfg, True, kind)
 
 
-@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA'))])
-def test_compiled_layers_equal_eager(device):
-    "torch.compile of every layer: no graph break, and the same losses, gradients and evaluation logits as eager."
+_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA')
+@pytest.mark.parametrize('device,mode', [('cpu', None), pytest.param('cuda', None, marks=_cuda),
+                                         pytest.param('cuda', 'reduce-overhead', marks=[_cuda, pytest.mark.xfail(
+                                             raises=RuntimeError, strict=True, reason="seen on an H100 with torch 2.11: a "
+                                             "tensor saved for the backward pass was overwritten by a later graph replay while "
+                                             "the memories fill; the benchmark's variant trains only in the steady state "
+                                             "and fails in inference (notebook 15)")])],
+                         ids=['cpu', 'cuda', 'cuda-graphs'])
+def test_compiled_layers_equal_eager(device, mode):
+    "torch.compile of every layer (with CUDA graphs: mode 'reduce-overhead'): no graph break, and the same losses, gradients and evaluation logits as eager."
     import copy, torch._dynamo
     from torch._dynamo.utils import counters
     torch._dynamo.reset(); counters.clear()
@@ -88,11 +95,12 @@ def test_compiled_layers_equal_eager(device):
     eager = CompressiveTransformer(CTConfig(vocab_size=32, d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=8, n_m=8, n_cm=8,
                                             c=2, compression='conv', compression_loss='attention')).to(device)
     compiled = copy.deepcopy(eager)
-    for layer in compiled.layers: layer.compile()
+    for layer in compiled.layers: layer.compile(**({'mode': mode} if mode else {}))
+    step = torch.compiler.cudagraph_mark_step_begin if mode else (lambda: None)   # a new window: graphs' old outputs may go
     x = torch.randint(0, 32, (2, 8), device=device)
     states = [None, None]
     for _ in range(6):                                      # by the 4th window memory and compressed memory are full
-        losses = []
+        losses = []; step()
         for i, m in enumerate((eager, compiled)):
             _, loss, states[i] = m(x, states[i], targets=x)
             (loss + (m.aux_loss if m.aux_loss is not None else 0)).backward()
@@ -102,6 +110,7 @@ def test_compiled_layers_equal_eager(device):
     eager.eval(); compiled.eval()
     with torch.no_grad():
         for _ in range(4):
+            step()
             (la, _, states[0]), (lb, _, states[1]) = eager(x, states[0]), compiled(x, states[1])
             torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
     assert not counters['graph_break'], f"graph breaks: {dict(counters['graph_break'])}"

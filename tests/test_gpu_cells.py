@@ -85,3 +85,19 @@ def test_repo_gpu_cells_stand_alone():
     "Every notebook's gpu cells need only cells that run beside them (not `#| slow` ones): a GPU session is too short to find out there."
     for p in sorted((ROOT / 'nbs').glob('[0-9]*.ipynb')):
         assert gc.standalone_problems(json.loads(p.read_text())) == [], p.name
+
+
+def test_gpu_steps_sizes_the_runs_from_the_benchmark(tmp_path):
+    "`.ci/gpu_steps.py`: notebook 09's steps from the CT's measured training tokens/s, the seconds left and the trainer's margin."
+    spec = importlib.util.spec_from_file_location('gpu_steps', ROOT / '.ci' / 'gpu_steps.py')
+    gs = importlib.util.module_from_spec(spec); spec.loader.exec_module(gs)
+    table = ('implementation      train tok/s   x lucidrains\n'
+             'ours-ct                 193,196          1.77x\nours-ct-compiled        203,980          1.94x\n')
+    nb = {'cells': [{'cell_type': 'code', 'id': 'b1500032', 'source': '', 'metadata': {},
+                     'outputs': [{'output_type': 'stream', 'name': 'stdout', 'text': table}]}]}
+    (tmp_path / 'nb.ipynb').write_text(json.dumps(nb))
+    step_s = 16 * 512 / 193_196                                      # 42.4 ms; 1.8 x that per trained step, 90 s kept back
+    assert gs.steps(str(tmp_path / 'nb.ipynb'), 511) == int((511 - 90) / 2 / (1.8 * step_s)) // 100 * 100 == 2700
+    assert gs.steps(str(tmp_path / 'nb.ipynb'), 10_000) == 5000     # never more than the notebook's default
+    assert gs.steps(str(tmp_path / 'nb.ipynb'), 100) == 300         # nor fewer than 300
+    assert gs.steps(str(tmp_path / 'missing.ipynb'), 511) == 1000   # no benchmark: a fixed, short size
