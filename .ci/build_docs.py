@@ -232,7 +232,7 @@ def clean_nb(nb, page, nb_rel, linker):
 # below, in course order, with the notebook's hardware line (found in its saved outputs) and the date its outputs
 # were committed.
 RESULTS_MARKER = '<!-- results -->'
-_re_hardware = re.compile(r'(CPU [^|\n]*?torch \d[\w.+]*|[^|\n:]*\(CUDA\),? torch \d[\w.+]*)')
+_re_hardware = re.compile(r'(CPU [^|\n]*?torch \d[\w.+]*|[^|\n:]*\(CUDA[^)\n]*\)[^|\n]*?torch \d[\w.+]*)')   # hardware()'s line
 
 
 def outputs_date(nb_path):
