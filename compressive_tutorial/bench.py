@@ -17,7 +17,7 @@ from torch import Tensor
 from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer
 from .losses import CompressionLoss
-from .train import DEVICES, hardware, make_adam
+from .train import DEVICES, hardware, make_adam, compile_layers
 from .experiments import _sync
 
 # %% ../nbs/15_performance.ipynb #b1500009
@@ -129,8 +129,8 @@ class OursRunner(Runner):
         if not aux:                                         # a measurement, not a configuration: the same model and f_c,
             self.model.compression_loss = CompressionLoss('none')   # but no Algorithm 2 (so f_c is never trained)
         if compiled:                                        # torch.compile each layer (the memory bookkeeping stays eager), for the
-            for layer in self.model.layers:               # shapes of full memories only: see `warm_up`
-                layer.compile(dynamic=False, **({'mode': compiled} if isinstance(compiled, str) else {}))
+            compile_layers(self.model, dynamic=False,     # shapes of full memories only: see `warm_up`
+                           **({'mode': compiled} if isinstance(compiled, str) else {}))
             self.compiled = True
         self.opt = make_adam(self.model.parameters(), lr=1e-4)
         self.computes = ('relative attention (a)+(b)+(c)+(d) over [cm; m; window], K/V weight gradients, conv f_c, ' +

@@ -22,8 +22,9 @@ from .data import (
     SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, download_file, encode_documents, load_books, load_enwik8, read_text)
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
-from .train import (
-    TrainConfig, Trainer, evaluate, sample, compression_parameters, seed_everything, lr_at, hardware, init_distributed, dist_rank_world, DEVICES)
+from compressive_tutorial.train import (
+    TrainConfig, Trainer, evaluate, sample, compression_parameters, seed_everything, lr_at, hardware, init_distributed, dist_rank_world, DEVICES,
+    compile_layers)
 from .checkpoint import (
     TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, load_weights, folder_lock)
 from .bench import BENCH_CPU, BENCH_GPU, BenchConfig, RUNNERS, run_benchmark, report
@@ -91,6 +92,7 @@ class RunConfig:
     seed:int = 0                  # seeds the initialisation and everything random in the run
     device:str = 'auto'           # 'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:1', 'mps'
     threads:int|None = None       # CPU threads of torch during the command (None: torch's default); tiny models run fastest on 1
+    compile:bool = False          # torch.compile every layer (`compile_layers`): faster training on a GPU, slower on a CPU
 
     def __post_init__(self):
         for name in ('batch_size', 'steps', 'eval_batch_size', 'valid_batches', 'seed', 'threads'):
@@ -100,6 +102,7 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name}={v!r} must be {'an int >= 0' if name == 'seed' else 'a positive int'}.")
         if not re.fullmatch('auto|' + DEVICES, self.device):         # whether this machine has it: `_device`, when a command runs
             raise ValueError(f"RunConfig.device={self.device!r} is not a device `ct` runs on: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'.")
+        if not isinstance(self.compile, bool): raise ValueError(f"RunConfig.compile={self.compile!r} must be true or false.")
 
 # %% ../nbs/10_cli.ipynb #346e0d67
 def n_params(model:nn.Module) -> int: return sum(p.numel() for p in model.parameters())
@@ -451,6 +454,7 @@ def train_run(run:Run, # the run: its folder and configs (`run_from_args`)
     device = _device(R.device)
     seed_everything(R.seed)
     model = build_model(run.kind, run.model).to(device)                                 # 2. the model and the trainer
+    if R.compile: compile_layers(model)                                                 # (compiles in the first windows)
     if resume: trainer = Trainer.resume(run.checkpoint, model, train_dl, valid_dl, run.train, ckpt_dir=out)
     else: trainer = Trainer(model, train_dl, valid_dl, run.train, ckpt_dir=out)
     if trainer.rank == 0: run.save()

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'DEVICES', 'LN2', 'PRECISION_NOTES', 'TrainConfig', 'lr_at', 'accumulation_at', 'bits_per_byte',
-           'perplexity', 'compression_parameters', 'make_adam', 'load_optimizer_state', 'bf16_native',
+           'perplexity', 'compression_parameters', 'make_adam', 'load_optimizer_state', 'compile_layers', 'bf16_native',
            'choose_precision', 'autocast_for', 'evaluate', 'dist_rank_world', 'init_distributed', 'shard_rows',
            'shard_batch', 'all_sum', 'gather_rows', 'ddp_wrap', 'average_grads', 'Trainer', 'hardware',
            'seed_everything', 'top_k_filter', 'top_p_filter', 'sample_next', 'sample']
@@ -140,6 +140,16 @@ def load_optimizer_state(opt:torch.optim.Optimizer, # the optimiser to restore
     saved = state['param_groups']                                    # our flags, not the writer's: torch also places Adam's
     groups = [{**g, **k} for g, k in zip(saved, kernel)] + saved[len(kernel):]   # `step` by them (fused: on the device);
     opt.load_state_dict({**state, 'param_groups': groups})           # a group too many or too few: torch's own error
+
+# %% ../nbs/06_training.ipynb #compile-layers-code
+def compile_layers(model:nn.Module, # a TransformerXL or CompressiveTransformer (anything with `.layers`)
+                   **compile_kw # torch.compile's options, e.g. mode='reduce-overhead' (CUDA graphs, notebook 15), dynamic=False
+                  ) -> nn.Module: # the same model, its layers compiled in place
+    "torch.compile every layer of `model` in place: the memory bookkeeping stays eager and the state dict keeps its keys."
+    if not isinstance(getattr(model, 'layers', None), nn.ModuleList):
+        raise TypeError(f"compile_layers needs a model with a `layers` ModuleList (TransformerXL, CompressiveTransformer), got {type(model).__name__}")
+    for layer in model.layers: layer.compile(**compile_kw)
+    return model
 
 # %% ../nbs/06_training.ipynb #77bf4172
 _LOW = {'bf16': torch.bfloat16, 'fp16': torch.float16}
