@@ -329,6 +329,7 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
             try: r.warm_up(phase, xy, cfg)
             except Exception as e: drop(n, phase, 'warm-up', e)
         for rep in range(cfg.reps):
+            if not names: raise RuntimeError(f"no implementation is left to time (the {phase} phase): {skipped}")
             mm.append(mm_flops(dev, cfg.dtype, seconds=0.3))
             for n in names[rep % len(names):] + names[:rep % len(names)]:    # rotate the order every repetition
                 r = runners[n]

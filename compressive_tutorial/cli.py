@@ -22,9 +22,9 @@ from .data import (
     SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, download_file, encode_documents, load_books, load_enwik8, read_text)
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
-from compressive_tutorial.train import (
-    TrainConfig, Trainer, evaluate, sample, compression_parameters, seed_everything, lr_at, hardware, init_distributed, dist_rank_world, DEVICES,
-    compile_layers)
+from .train import (
+    TrainConfig, Trainer, evaluate, sample, compression_parameters, seed_everything, lr_at, hardware, init_distributed, dist_rank_world, DEVICES)
+from .train import compile_layers
 from .checkpoint import (
     TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, load_weights, folder_lock)
 from .bench import BENCH_CPU, BENCH_GPU, BenchConfig, RUNNERS, run_benchmark, report
