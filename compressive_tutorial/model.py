@@ -346,7 +346,7 @@ class CompressiveTransformer(TransformerXL):
         w, wv = self._grow(window, h, new_valid)                             # (B, P+n, d) this layer's inputs of the window so far
         if w.shape[1] < self.cfg.n_s:                                        # still open: keep it (and its keys/values)
             kv = self._keep_kv(layer, r.k, r.v, w.shape[1]) if cache else None
-            return r.out, m, cm, Memory(w.detach(), wv, kv), usage, age, None
+            return r.out, m, cm, Memory(self._own(w.detach()), wv, kv), usage, age, None
         upd = update_compressive_memory(m, cm, w, n_m, n_cm, self.cfg.c, self.compressors[i], usage,
                                         self.compression_loss.keeps_graph, wv, age)            # 8-11
         if self.compression_hook is not None: self.compression_hook(i, w, upd.old, upd.new_cm)

@@ -74,6 +74,10 @@ def mu_law_encode(x, # waveform: float tensor or array in [-1, 1] (values outsid
     x = torch.as_tensor(x)
     if not x.is_floating_point(): raise TypeError(f'mu_law_encode takes a float waveform in [-1, 1], got dtype {x.dtype}: '
                                                   'divide 16-bit samples by 32768 first (or read the file with read_clip)')
+    if not torch.isfinite(x).all():                                     # NaN has no code: it would become an arbitrary one
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f'mu_law_encode got {bad} NaN or infinite sample(s) of {x.numel()}: a waveform must be finite; '
+                         'check the file or the step that made it (a resampler or a division by a zero peak)')
     x = x.clamp(-1, 1)
     ta = _backend(backend)
     return ta.mu_law_encoding(x, mu + 1) if ta is not None else _mu_law_encode_torch(x, mu)

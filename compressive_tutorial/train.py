@@ -149,6 +149,9 @@ def compile_layers(model:nn.Module, # a TransformerXL or CompressiveTransformer 
     if not isinstance(getattr(model, 'layers', None), nn.ModuleList):
         raise TypeError(f"compile_layers needs a model with a `layers` ModuleList (TransformerXL, CompressiveTransformer), got {type(model).__name__}")
     for layer in model.layers: layer.compile(**compile_kw)
+    opts = compile_kw.get('options') or {}
+    if compile_kw.get('mode') in ('reduce-overhead', 'max-autotune') or opts.get('triton.cudagraphs'):   # modes that replay CUDA graphs
+        model.copy_layer_outputs = True   # a replay overwrites what the layer returned last time: the state keeps copies
     return model
 
 # %% ../nbs/06_training.ipynb #77bf4172

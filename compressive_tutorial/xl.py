@@ -211,6 +211,8 @@ class TransformerXL(nn.Module):
         if cfg.tie_weights: self.head.weight = self.emb.weight
         self.kv_cache = True        # without gradients, keep each memory's keys/values in the state instead of re-projecting
         self.kv_cache_dtype = None  # dtype to store them in (None: as projected); the hook for lower-precision caches
+        self.copy_layer_outputs = False  # copy what the state keeps of a layer's outputs: set by `compile_layers` (notebook 06) for
+                                         # CUDA graphs, whose next replay overwrites the tensors a layer returned
 
     def _empty(self, batch_size:int, device=None) -> list:
         "One empty Memory (length 0) per layer."
@@ -309,8 +311,12 @@ class TransformerXL(nn.Module):
         while s < T:
             n = min(n_s - state.open_steps, T - s)                        # steps until the current window is complete
             h, state = self._window(x[:, s:s + n], None if first is None else first[:, s:s + n], state, **kw)  # (B, n, d)
-            outs.append(h); s += n
+            outs.append(self._own(h)); s += n                             # (kept while later windows run the same layers)
         return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)), state
+
+    def _own(self, t:Tensor) -> Tensor:
+        "`t`, a layer's output (or a view of one), as a tensor the model may keep: a copy if `copy_layer_outputs` (CUDA graphs)."
+        return t.clone() if self.copy_layer_outputs else t
 
     def _use_cache(self) -> bool:
         "Whether this call keeps keys/values in the state: only when no gradient is taken (the weights cannot change under it)."
@@ -328,7 +334,7 @@ class TransformerXL(nn.Module):
         L = k.shape[2]
         k, v = k[:, :, L - n:], v[:, :, L - n:]                          # (B, H, n, d_h); L - n, not -n: n may be 0
         if self.kv_cache_dtype is not None: k, v = k.to(self.kv_cache_dtype), v.to(self.kv_cache_dtype)
-        return KVCache(k, v, layer.kv_tag())
+        return KVCache(self._own(k), self._own(v), layer.kv_tag())
 
     def _attend(self, layer:XLLayer, h:Tensor, stores:list, first:Tensor|None, cache:bool, need_probs:bool=False) -> AttnResult:
         "The layer over `h` (B, n, d), reading `stores` (Memory each, oldest first: [memory; open window]) as the keys in front of it."
@@ -356,7 +362,7 @@ class TransformerXL(nn.Module):
             memory, window = mask_memory(memory, keep), mask_memory(window, keep)
             w, wv = self._grow(window, h, new_valid)                       # (B, P+n, d) this layer's inputs of the window so far
             if w.shape[1] < self.cfg.n_s:                                  # still open: keep it (and its keys/values)
-                window = Memory(w.detach(), wv, self._keep_kv(layer, r.k, r.v, w.shape[1]) if cache else None)
+                window = Memory(self._own(w.detach()), wv, self._keep_kv(layer, r.k, r.v, w.shape[1]) if cache else None)
             else:                                                          # complete: store this layer's INPUT (detached)
                 memory, window = update_memory(memory, w, n_m, wv), Memory(window.mem[:, :0], window.valid[:, :0])
                 if cache: memory.kv = self._keep_kv(layer, r.k, r.v, memory.length)   # the tail of [memory; window]

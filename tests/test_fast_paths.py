@@ -117,6 +117,26 @@ def test_compiled_layers_equal_eager(device, mode):
     assert not counters['graph_break'], f"graph breaks: {dict(counters['graph_break'])}"
 
 
+@_cuda
+def test_cuda_graph_inference_equals_eager():
+    "Evaluation with every layer replayed as a CUDA graph: the eager logits, call after call, while the memories fill and after, in calls that end inside a window too (the state keeps copies of what the graphs return: notebook 06)."
+    import copy, torch._dynamo
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = CompressiveTransformer(CTConfig(vocab_size=32, d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=8, n_m=8, n_cm=8,
+                                            c=2, compression='conv')).cuda().eval()
+    graphs = compile_layers(copy.deepcopy(eager), mode='reduce-overhead')
+    assert graphs.copy_layer_outputs
+    x = torch.randint(0, 32, (2, 8 * 8), device='cuda')
+    states, s = [None, None], 0
+    with torch.no_grad():
+        for n in [8] * 5 + [3, 5, 8, 2, 6]:
+            torch.compiler.cudagraph_mark_step_begin()
+            (la, _, states[0]), (lb, _, states[1]) = eager(x[:, s:s + n], states[0]), graphs(x[:, s:s + n], states[1])
+            torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
+            s += n
+
+
 def test_compiled_runner_times_one_static_graph_per_phase():
     "The benchmark's compiled model fills its memories eagerly, then compiles the steady-state window once per phase: no recompilation while timed."
     import torch._dynamo
