@@ -338,7 +338,7 @@ class CompressiveTransformer(TransformerXL):
         cache = self._use_cache()
         r = self._attend(layer, h, [cm, m, window], first, cache, need_probs)  # 5-7, 12. out (B, n, d); k, v over [cm; m; window; h]
         p = r.probs                                                          # (B, H, n, CM+M+P+n) or None
-        if self.record_attention: self.attention_records[i] = AttentionRecord(p.detach(), CM, m.length, h.shape[1], P)
+        if self.record_attention: self.attention_records[i] = AttentionRecord(self._own(p.detach()), CM, m.length, h.shape[1], P)
         if usage is not None: usage = usage + attention_usage(p, CM, CM + m.length).to(usage.dtype)   # (B, M)
         keep, new_valid = ends                                               # what stays readable after these steps
         cm, m, window = mask_memory(cm, keep), mask_memory(m, keep), mask_memory(window, keep)
