@@ -619,7 +619,7 @@ def generate(model:nn.Module, # a trained model of the package's interface
     return mu_law_decode(codes.cpu()).numpy()
 
 # %% ../nbs/11_speech.ipynb #66ff029c
-GPU_STEPS = 2_000   # training steps of each paper-scaled run: the three fit one 30-minute GPU session (estimate above)
+GPU_STEPS = 2_000   # training steps of each paper-scaled run: the three take a few 10-minute calls on an H100 (estimate above)
 
 def paper_scaled_configs() -> dict: # {'txl': XLConfig, 'ct': CTConfig, 'wavenet': WaveNetConfig}
     "The §5.6 models scaled to one GPU: 8-layer transformers with the paper's windows and memories, a 30-layer WaveNet of the same size."
