@@ -80,52 +80,74 @@ def test_flops_formula_matches_the_counter():
 
 
 _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA')
-@pytest.mark.parametrize('device,mode', [('cpu', None), pytest.param('cuda', None, marks=_cuda),
-                                         pytest.param('cuda', 'reduce-overhead', marks=[_cuda, pytest.mark.xfail(
-                                             raises=RuntimeError, strict=True, reason="seen on an H100 with torch 2.11: a "
-                                             "tensor saved for the backward pass was overwritten by a later graph replay while "
-                                             "the memories fill; the benchmark's variant trains only in the steady state "
-                                             "and fails in inference (notebook 15)")])],
-                         ids=['cpu', 'cuda', 'cuda-graphs'])
-def test_compiled_layers_equal_eager(device, mode):
-    "torch.compile of every layer (with CUDA graphs: mode 'reduce-overhead'): no graph break, and the same losses, gradients and evaluation logits as eager."
+# How `compile_layers` is asked for CUDA graphs. Trees (mode 'reduce-overhead'): one memory pool that every layer's graphs
+# share, replays decided by which outputs are still alive. Without trees: each graph records once, with buffers of its own,
+# so each shape needs its own graph (dynamic=False) and no graph ever writes another one's memory.
+_TREES = dict(mode='reduce-overhead')
+_NO_TREES = dict(dynamic=False, options={'triton.cudagraphs': True, 'triton.cudagraph_trees': False})
+_COMPILE = {'cpu': ('cpu', {}, False), 'cuda': ('cuda', {}, False), 'cuda-graphs': ('cuda', _TREES, False),
+            'cuda-graphs-keepalive': ('cuda', _TREES, True), 'cuda-graphs-no-trees': ('cuda', _NO_TREES, False)}
+
+@pytest.mark.parametrize('case', ['cpu', pytest.param('cuda', marks=_cuda),
+                                  pytest.param('cuda-graphs', marks=[_cuda, pytest.mark.xfail(
+                                      raises=RuntimeError, strict=True, reason="seen on an H100 with torch 2.11: 'accessing tensor "
+                                      "output of CUDAGraphs that has been overwritten by a subsequent run' in the backward pass "
+                                      "while the memories fill. It looks like pytorch/pytorch#194124 (a pending backward's saved "
+                                      "tensors are invisible to the trees' liveness check, so a layer's path can be dropped before "
+                                      "its backward runs; torch 2.13.0's check_refcount is unchanged); the two cases below test "
+                                      "that reading")]),
+                                  pytest.param('cuda-graphs-keepalive', marks=_cuda),
+                                  pytest.param('cuda-graphs-no-trees', marks=_cuda)])
+def test_compiled_layers_equal_eager(case):
+    "torch.compile of every layer (and with CUDA graphs, three ways): no graph break, every graph replayed, and the same losses, gradients and evaluation logits as eager."
+    import copy, torch._dynamo
+    from torch._dynamo.utils import counters
+    device, kw, keepalive = _COMPILE[case]
+    torch._dynamo.reset(); counters.clear()
+    torch.manual_seed(0)
+    eager = CompressiveTransformer(CTConfig(vocab_size=32, d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=8, n_m=8, n_cm=8,
+                                            c=2, compression='conv', compression_loss='attention')).to(device)
+    compiled = compile_layers(copy.deepcopy(eager), **kw)
+    graphs = compiled.copy_layer_outputs                    # set by compile_layers for the modes that replay CUDA graphs
+    assert graphs == case.startswith('cuda-graphs')
+    kept = []
+    if keepalive:                                           # every layer's outputs referenced from Python until the backward has run
+        attend = compiled._attend
+        compiled._attend = lambda *a, **k: kept.append(attend(*a, **k)) or kept[-1]
+    step = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)   # a new window: graphs' old outputs may go
+    x = torch.randint(0, 32, (2, 8), device=device)
+    states = [None, None]
+    with torch._dynamo.config.patch(recompile_limit=64):   # dynamic=False: a graph for each memory length while they fill
+        for _ in range(6):                                  # by the 4th window memory and compressed memory are full
+            losses = []; step()
+            for i, m in enumerate((eager, compiled)):
+                _, loss, states[i] = m(x, states[i], targets=x)
+                (loss + (m.aux_loss if m.aux_loss is not None else 0)).backward()
+                losses.append(loss)
+            kept.clear()
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+        for a, b in zip(eager.parameters(), compiled.parameters()): torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+        eager.eval(); compiled.eval()
+        with torch.no_grad():
+            for _ in range(4):
+                step()
+                (la, _, states[0]), (lb, _, states[1]) = eager(x, states[0]), compiled(x, states[1])
+                torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
+    assert not counters['graph_break'], f"graph breaks: {dict(counters['graph_break'])}"
+    assert not counters['inductor']['cudagraph_skips'], 'a graph ran without CUDA graphs: the case would test nothing'
+
+
+@_cuda
+@pytest.mark.parametrize('kw', [_TREES, _NO_TREES], ids=['trees', 'no-trees'])
+def test_cuda_graph_inference_equals_eager(kw):
+    "Evaluation with every layer replayed as a CUDA graph: the eager logits, call after call, while the memories fill and after, in calls that end inside a window too (the state keeps copies of what the graphs return: notebook 06)."
     import copy, torch._dynamo
     from torch._dynamo.utils import counters
     torch._dynamo.reset(); counters.clear()
     torch.manual_seed(0)
     eager = CompressiveTransformer(CTConfig(vocab_size=32, d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=8, n_m=8, n_cm=8,
-                                            c=2, compression='conv', compression_loss='attention')).to(device)
-    compiled = copy.deepcopy(eager)
-    compile_layers(compiled, **({'mode': mode} if mode else {}))
-    step = torch.compiler.cudagraph_mark_step_begin if mode else (lambda: None)   # a new window: graphs' old outputs may go
-    x = torch.randint(0, 32, (2, 8), device=device)
-    states = [None, None]
-    for _ in range(6):                                      # by the 4th window memory and compressed memory are full
-        losses = []; step()
-        for i, m in enumerate((eager, compiled)):
-            _, loss, states[i] = m(x, states[i], targets=x)
-            (loss + (m.aux_loss if m.aux_loss is not None else 0)).backward()
-            losses.append(loss)
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
-    for a, b in zip(eager.parameters(), compiled.parameters()): torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
-    eager.eval(); compiled.eval()
-    with torch.no_grad():
-        for _ in range(4):
-            step()
-            (la, _, states[0]), (lb, _, states[1]) = eager(x, states[0]), compiled(x, states[1])
-            torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
-    assert not counters['graph_break'], f"graph breaks: {dict(counters['graph_break'])}"
-
-
-@_cuda
-def test_cuda_graph_inference_equals_eager():
-    "Evaluation with every layer replayed as a CUDA graph: the eager logits, call after call, while the memories fill and after, in calls that end inside a window too (the state keeps copies of what the graphs return: notebook 06)."
-    import copy, torch._dynamo
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    eager = CompressiveTransformer(CTConfig(vocab_size=32, d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=8, n_m=8, n_cm=8,
                                             c=2, compression='conv')).cuda().eval()
-    graphs = compile_layers(copy.deepcopy(eager), mode='reduce-overhead')
+    graphs = compile_layers(copy.deepcopy(eager), **kw)
     assert graphs.copy_layer_outputs
     x = torch.randint(0, 32, (2, 8 * 8), device='cuda')
     states, s = [None, None], 0
@@ -135,6 +157,7 @@ def test_cuda_graph_inference_equals_eager():
             (la, _, states[0]), (lb, _, states[1]) = eager(x[:, s:s + n], states[0]), graphs(x[:, s:s + n], states[1])
             torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
             s += n
+    assert not counters['inductor']['cudagraph_skips'], 'a graph ran without CUDA graphs: the case would test nothing'
 
 
 def test_compiled_runner_times_one_static_graph_per_phase():
