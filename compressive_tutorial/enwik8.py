@@ -78,7 +78,7 @@ ENWIK8_PRESETS = {
     'a100': _preset("Colab's A100 (40 GB, bf16): about 2-3 hours (estimate)", 12, 1024, 768, 16, 30_000, dropout=0.1, ckpt_every=2_000),
     'h100': _preset("one H100 (80 GB, bf16): the paper's model and schedule, about 5 hours (estimate)", 24, 1024, 768, 16, 104_000,
                     dropout=0.1, ckpt_every=2_000),
-    'h100-books': _preset('a lent H100 without internet, the books as stand-in: one 30-minute session', 12, 1024, 768, 16,
+    'h100-books': _preset('a lent H100 without internet, the books as stand-in: about 9 minutes (estimate)', 12, 1024, 768, 16,
                           6_000, dropout=0.1, ckpt_every=500, eval_every=1_000),
 }
 
