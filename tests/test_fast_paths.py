@@ -119,18 +119,17 @@ def test_compiled_layers_equal_eager(case):
     states = [None, None]
     with torch._dynamo.config.patch(recompile_limit=64):   # dynamic=False: a graph for each memory length while they fill
         for _ in range(6):                                  # by the 4th window memory and compressed memory are full
-            losses = []; step()
+            losses = []; step(); kept.clear()               # (kept: the last window's backward has run)
             for i, m in enumerate((eager, compiled)):
                 _, loss, states[i] = m(x, states[i], targets=x)
                 (loss + (m.aux_loss if m.aux_loss is not None else 0)).backward()
                 losses.append(loss)
-            kept.clear()
             torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
         for a, b in zip(eager.parameters(), compiled.parameters()): torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
         eager.eval(); compiled.eval()
         with torch.no_grad():
             for _ in range(4):
-                step()
+                step(); kept.clear()
                 (la, _, states[0]), (lb, _, states[1]) = eager(x, states[0]), compiled(x, states[1])
                 torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
     assert not counters['graph_break'], f"graph breaks: {dict(counters['graph_break'])}"
