@@ -113,7 +113,9 @@ def test_compiled_layers_equal_eager(case):
     kept = []
     if keepalive:                                           # every layer's outputs referenced from Python until the backward has run
         attend = compiled._attend
-        compiled._attend = lambda *a, **k: kept.append(attend(*a, **k)) or kept[-1]
+        def attend_and_keep(*args, **kw):
+            kept.append(attend(*args, **kw)); return kept[-1]
+        compiled._attend = attend_and_keep
     step = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)   # a new window: graphs' old outputs may go
     x = torch.randint(0, 32, (2, 8), device=device)
     states = [None, None]
