@@ -7,7 +7,9 @@
 #   bash .ci/gpu_session.sh nb:15_performance          # a notebook's `#| gpu` cells (with the cells they need)
 #   bash .ci/gpu_session.sh nb:09_books_char:7c21237b,7c21237c   # only these gpu cells (ids), beside the unflagged ones
 #
-# Each step's log and results go to $OUT: hardware.txt, pytest.log (pytest-cuda.log), bench-gpu.json + bench.log, NAME.ipynb + NAME.log.
+# Each step's log and results go to $OUT: hardware.txt, pytest.log (pytest-cuda.log), bench-gpu.json + bench.log, NAME.ipynb + NAME.log,
+# and NAME-runs.tgz: the JSON results a notebook saved under nbs/runs/NAME (notebook 12: one per finished run). Unpacked
+# here (tar -xzf NAME-runs.tgz, in the repository) and carried into the next lease, they are loaded there, not run again.
 # LIMIT_S=540 interrupts the step running 540 s after the command started (SIGINT, as Ctrl-C: the trainers checkpoint
 # and stop) and skips the rest, so that the command ends inside the machine's 10-minute limit with its files written;
 # run it again to go on.
@@ -53,6 +55,9 @@ for step in "$@"; do
     *) echo "unknown step '$step': tests, cuda, bench or nb:NOTEBOOK" >&2; exit 2 ;;
   esac
   s=${PIPESTATUS[0]}; [ "$s" -eq 0 ] || rc=$s
+  if [[ $step == nb:* ]] && [ -d "nbs/runs/$name" ]; then   # a run folder does not outlive the machine: its results come back
+    find "nbs/runs/$name" -name '*.json' -print0 | tar -czf "$OUT/$name-runs.tgz" --null -T - && echo "== saved results: $OUT/$name-runs.tgz"
+  fi
   echo "== $step: exit $s after $((SECONDS - t0)) s"
 done
 exit $rc

@@ -68,6 +68,22 @@ def test_error_stops_and_keeps_what_ran(tmp_path, monkeypatch):
     assert outputs(nb) == ['first\n', '', '']                    # the cell that failed keeps its old (here: no) outputs
 
 
+def test_session_brings_back_a_notebooks_saved_results(tmp_path):
+    "`.ci/gpu_session.sh nb:NAME`: the JSON results the notebook saved under nbs/runs/NAME come back in $OUT as one tarball (nothing else from there), so the next lease can carry them in."
+    import shutil, subprocess, sys, tarfile
+    (tmp_path / '.ci').mkdir()
+    for f in ('gpu_session.sh', 'gpu_cells.py'): shutil.copy(ROOT / '.ci' / f, tmp_path / '.ci' / f)
+    shutil.copy(ROOT / 'settings.ini', tmp_path)                   # (its tst_flags)
+    (tmp_path / 'nbs').mkdir()
+    notebook(tmp_path / 'nbs' / 'r.ipynb', 'import pathlib', '#| gpu\nd = pathlib.Path("runs/r/big"); d.mkdir(parents=True)\n'
+             '(d / "a-seed0.json").write_text("{}"); (d / "weights.bin").write_bytes(b"x")')
+    out = tmp_path / 'out'
+    env = {**__import__('os').environ, 'OUT': str(out), 'PYTHON': sys.executable}
+    p = subprocess.run(['bash', str(tmp_path / '.ci' / 'gpu_session.sh'), 'nb:r'], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    with tarfile.open(out / 'r-runs.tgz') as t: assert t.getnames() == ['nbs/runs/r/big/a-seed0.json']   # the results, not the weights
+
+
 def test_merge_refuses_a_changed_cell(tmp_path):
     nb = notebook(tmp_path / 'c.ipynb', '#| gpu\nprint(1)')
     ret = notebook(tmp_path / 'ret.ipynb', '#| gpu\nprint(2)')
