@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['ATTN_IMPLS', 'causal_mask', 'attention_mask', 'plot_mask', 'masked_attention', 'attend_explicit', 'AttnResult',
            'MultiHeadAttention', 'sinusoid_embedding', 'relative_distances', 'rel_shift', 'shift_masked',
-           'attend_biased', 'reversed_sinusoid', 'RelativeMultiHeadAttention']
+           'attend_biased', 'shift_masked_', 'reversed_sinusoid', 'RelativeMultiHeadAttention']
 
 # %% ../nbs/01_attention.ipynb #bf498ed4
 import functools, math
@@ -288,6 +288,21 @@ def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d
     return (p @ v.reshape(B * H, K, dh)).view(B, H, T, dh)          # (B, H, T, d_h)
 
 
+# %% ../nbs/01_attention.ipynb #a1f00012
+def shift_masked_(x:Tensor, # (..., T, K+1) scores against reversed distances K .. 0 (column c is distance K-c), e.g. (q+v) Q^T
+                  mask:Tensor # bool, broadcastable to (..., T, K); True = may attend; must hide everything above the causal boundary
+                 ) -> Tensor: # (..., T, K) a view of x, equal to rel_shift(x[..., 1:]) where mask, -inf elsewhere
+    "`shift_masked` without a copy, for evaluation: over one distance more than keys, the shifted rows are a strided view of `x`, and only its masked entries are written (in place)."
+    *lead, T, D = x.shape
+    K, M = D - 1, D - 1 - T                                             # keys; memory slots in front of the window
+    if M < 0: raise ValueError(f"shift_masked_ needs x over K+1 distances for K >= T keys, got x of shape {tuple(x.shape)}.")
+    if not _rows_dense(x): x = x.contiguous()                           # (a copy is filled then, not the caller's x)
+    view = x.as_strided((*lead, T, K), (*x.stride()[:-2], K, 1), x.storage_offset() + T)   # row i from column T-i, rows at stride K
+    view[..., M:].masked_fill_(~mask[..., M:], float('-inf'))          # the window's keys: the causal triangle (and episode starts)
+    mem = mask[..., :M]
+    if torch.count_nonzero(mem) < mem.numel(): view[..., :M].masked_fill_(~mem, float('-inf'))   # the memory's, if any is hidden
+    return view
+
 # %% ../nbs/01_attention.ipynb #0e1658c3
 def reversed_sinusoid(K:int, # keys: distances K-1 .. 0
                       d:int, # embedding width, even
@@ -353,14 +368,18 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         return (t['a'] + t['b'] + t['c'] + t['d']) / math.sqrt(self.d_head)
 
     def fast_attend(self, q:Tensor, k:Tensor, v:Tensor, mask:Tensor, dropout_p:float) -> Tensor:
-        "Efficient path: (b)+(d) $=\\mathrm{shift}((q+v)Q)$ as a masked bias in one strided pass, then `attend_biased` with query $q+u$."
+        "Efficient path: (b)+(d) $=\\mathrm{shift}((q+v)Q)$ as a masked bias (one strided pass; in evaluation on the CPU a view masked in place), then the fused attention with query $q+u$."
         s = 1 / math.sqrt(self.d_head)                                    # scale the small (B, H, T, d_h) queries, not the scores
         B, H, T, dh = q.shape
         K = k.shape[2]
-        Q = self.rel_proj(K, q.device).to(q.dtype)                        # (H, d_h, K), the same for every stream
+        in_place = q.device.type == 'cpu' and not (torch.is_grad_enabled() or dropout_p or torch.compiler.is_compiling())
+        D = K + 1 if in_place else K                                      # distances D-1 .. 0: one more for `shift_masked_`
+        Q = self.rel_proj(D, q.device).to(q.dtype)                        # (H, d_h, D), the same for every stream
         u, v_ = ((b * s).to(q.dtype)[:, None, :] for b in (self.u_bias, self.v_bias))   # (H, 1, d_h) in the queries' dtype (autocast)
-        qv = (q * s + v_).transpose(0, 1).reshape(H, B * T, dh)           # (H, B*T, d_h): a view, q is (B, T, H, d_h) in memory
-        pos = torch.bmm(qv, Q).view(H, B, T, K).transpose(0, 1)           # (B, H, T, K): one GEMM per head over all B*T queries
-        bias = shift_masked(pos, mask)                                    # (B, H, T, K): (b)+(d), -inf where masked
-        return attend_biased(q * s + u, k.to(q.dtype), v.to(q.dtype), bias, dropout_p, overwrite=True)
+        qv = torch.add(v_, q, alpha=s).transpose(0, 1).reshape(H, B * T, dh)   # (H, B*T, d_h) (q+v)/sqrt(d_h): a view, stored (B, T, H, d_h)
+        pos = torch.bmm(qv, Q).view(H, B, T, D).transpose(0, 1)           # (B, H, T, D): one GEMM per head over all B*T queries
+        qu, k, v = torch.add(u, q, alpha=s), k.to(q.dtype), v.to(q.dtype) # (q+u)/sqrt(d_h)
+        if in_place:                                                      # evaluation on the CPU: the bias is a view of pos
+            return F.scaled_dot_product_attention(qu, k, v, attn_mask=shift_masked_(pos, mask), scale=1.0)
+        return attend_biased(qu, k, v, shift_masked(pos, mask), dropout_p, overwrite=True)   # bias (B, H, T, K): -inf where masked
 

@@ -90,7 +90,8 @@ def ct_flops_per_token(cfg:BenchConfig, # the sizes
     conv = 2 * d * d if ct else 0                         # f_c: (c d -> d) per c evicted memories, one window per window
     new_cm = 4 * d * d / c if ct else 0                   # k, v of the n_s / c new compressed slots
     if not training:                                      # K/V cache: memory slots are never projected again; Q = W_R R is
-        return cfg.n_layers * (dense + attn + conv + new_cm) + 2 * d * V   # kept between windows (the weights do not change)
+        view = 2 * d if cfg.device == 'cpu' else 0        # kept between windows (the weights do not change); on the CPU,
+        return cfg.n_layers * (dense + attn + view + conv + new_cm) + 2 * d * V   # (b)+(d) over K+1 distances (shift_masked_)
     mem_kv = 4 * d * d * M / s                            # the memories' k, v, projected again each window (weights change)
     aux = (4 * s * d + 2 * new_cm + (4 + 6) * s / c * d) if ct else 0   # target read-out (no grad); new slots' k, v (fwd + input
                                                           # grad: frozen weights); their read-out: fwd, and a bwd of 1.5 x fwd (no query grad)

@@ -106,8 +106,8 @@ class ConvCompressor(Compressor):
     def compress(self, old, usage=None, valid=None):
         "The convolution as one matmul (kernel = stride = c: blocks do not overlap), several times faster than Conv1d on CPU."
         B, n, d = old.shape
-        w = self.conv.weight.permute(0, 2, 1).reshape(d, self.c * d) # (d_out, c*d_in): tap k of input i sits at k*d + i
-        return F.linear(old.reshape(B * (n // self.c), self.c * d), w, self.conv.bias).view(B, n // self.c, d)  # one (B n/c, c d) GEMM
+        blocks = old.unflatten(1, (n // self.c, self.c)).transpose(2, 3).flatten(2)   # (B, n/c, d*c): entry i*c + r is feature i of memory jc + r
+        return F.linear(blocks, self.conv.weight.reshape(d, d * self.c), self.conv.bias)   # one GEMM with the weight as stored: (B, n/c, d)
 
 # %% ../nbs/03_compression.ipynb #5b3de4af
 class DilatedConvCompressor(Compressor):

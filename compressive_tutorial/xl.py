@@ -121,7 +121,7 @@ class XLLayer(nn.Module):
         d = cfg.d_model
         self.pre_ln = cfg.pre_ln
         self.attn = RelativeMultiHeadAttention(d, cfg.n_heads, cfg.dropatt, cfg.attn_impl, cfg.clamp_len)
-        self.ff = nn.Sequential(nn.Linear(d, cfg.d_ff), nn.ReLU(), nn.Dropout(cfg.dropout), nn.Linear(cfg.d_ff, d))
+        self.ff = nn.Sequential(nn.Linear(d, cfg.d_ff), nn.ReLU(inplace=True), nn.Dropout(cfg.dropout), nn.Linear(cfg.d_ff, d))   # in place: no second (B, T, d_ff) tensor
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.drop = nn.Dropout(cfg.dropout)
 
