@@ -1,12 +1,13 @@
 """GPU checks that run without nbdev (the GPU machine has none): fused against explicit attention on CUDA (fp32 and bf16),
-the cached inference path, the reused projections of the reconstruction loss, the host syncs of a training window, and a
-short form of the GPU benchmark.
+the fused kernel with the in-place shift's strided mask, the cached inference path, the reused projections of the
+reconstruction loss, the host syncs of a training window, and a short form of the GPU benchmark.
 Every test here skips cleanly on a machine without CUDA."""
 import traceback, warnings
 from dataclasses import replace
 import pytest
 import torch
-from compressive_tutorial.attention import RelativeMultiHeadAttention
+import torch.nn.functional as F
+from compressive_tutorial.attention import RelativeMultiHeadAttention, attention_mask, shift_masked, shift_masked_
 from compressive_tutorial.model import CTConfig, CompressiveTransformer, layer_compression_loss
 from compressive_tutorial.bench import BENCH_GPU, run_benchmark, report
 
@@ -52,6 +53,21 @@ def test_fused_under_autocast_is_close_to_fp32(dtype):
     with torch.autocast('cuda', dtype=dtype): low = fa(h, mem)
     err = (low.float() - ref).abs().max() / ref.abs().max()
     assert err < (3e-2 if dtype is torch.bfloat16 else 5e-3), f'{dtype}: relative error {err:.2e}'
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_fused_kernel_takes_the_in_place_shift(dtype):
+    """CUDA's fused attention with `shift_masked_`'s strided view as its mask equals it with the bias `shift_masked` writes:
+    the first thing to know before the view path (CPU evaluation only, today) is timed on a GPU."""
+    if dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported(): pytest.skip('no bf16 on this device')
+    B, H, T, M, dh = 4, 4, 64, 192, 64
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, n, dh, device=DEV, dtype=dtype) for n in (T, M + T, M + T))
+    x = torch.randn(H, B, T, M + T + 1, device=DEV, dtype=dtype).transpose(0, 1)   # over K+1 distances, head-major
+    for mask in (attention_mask(T, M, device=DEV), attention_mask(T, M, torch.rand(B, M, device=DEV) > 0.2, torch.rand(B, T, device=DEV) < 0.05)):
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=shift_masked(x[..., 1:].contiguous(), mask), scale=1.0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=shift_masked_(x.clone(), mask), scale=1.0)
+        torch.testing.assert_close(out, ref, rtol=1e-5 if dtype is torch.float32 else 1e-2, atol=1e-5 if dtype is torch.float32 else 1e-2)
 
 
 def _ct(pre_ln=False):
