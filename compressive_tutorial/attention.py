@@ -289,6 +289,9 @@ def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d
 
 
 # %% ../nbs/01_attention.ipynb #a1f00012
+_causal_bias = _size_constant(lambda T, device, dtype:      # (T, T): 0 on and below the diagonal, -inf above; shared, read only
+                              torch.zeros(T, T, device=device, dtype=dtype).masked_fill_(~causal_mask(T, 0, device), float('-inf')))
+
 def shift_masked_(x:Tensor, # (..., T, K+1) scores against reversed distances K .. 0 (column c is distance K-c), e.g. (q+v) Q^T
                   mask:Tensor # bool, broadcastable to (..., T, K); True = may attend; must hide everything above the causal boundary
                  ) -> Tensor: # (..., T, K) a view of x, equal to rel_shift(x[..., 1:]) where mask, -inf elsewhere
@@ -298,9 +301,10 @@ def shift_masked_(x:Tensor, # (..., T, K+1) scores against reversed distances K 
     if M < 0: raise ValueError(f"shift_masked_ needs x over K+1 distances for K >= T keys, got x of shape {tuple(x.shape)}.")
     if not _rows_dense(x): x = x.contiguous()                           # (a copy is filled then, not the caller's x)
     view = x.as_strided((*lead, T, K), (*x.stride()[:-2], K, 1), x.storage_offset() + T)   # row i from column T-i, rows at stride K
-    view[..., M:].masked_fill_(~mask[..., M:], float('-inf'))          # the window's keys: the causal triangle (and episode starts)
-    mem = mask[..., :M]
-    if torch.count_nonzero(mem) < mem.numel(): view[..., :M].masked_fill_(~mem, float('-inf'))   # the memory's, if any is hidden
+    win, mem = mask[..., M:], mask[..., :M]                             # the window's keys; the memory's
+    view[..., M:].add_(_causal_bias(T, x.device, x.dtype))              # the causal triangle: + -inf above the diagonal, + 0 below
+    if torch.count_nonzero(win) < win.numel() // (T * T) * (T * (T + 1) // 2): view[..., M:].masked_fill_(~win, float('-inf'))   # episode starts
+    if torch.count_nonzero(mem) < mem.numel(): view[..., :M].masked_fill_(~mem, float('-inf'))   # hidden memory slots
     return view
 
 # %% ../nbs/01_attention.ipynb #0e1658c3

@@ -106,8 +106,17 @@ class ConvCompressor(Compressor):
     def compress(self, old, usage=None, valid=None):
         "The convolution as one matmul (kernel = stride = c: blocks do not overlap), several times faster than Conv1d on CPU."
         B, n, d = old.shape
+        if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):   # evaluation: the memories as stored, the weight rearranged once
+            return F.linear(old.reshape(B, n // self.c, self.c * d), self.tap_major_weight(), self.conv.bias)   # (B, n/c, d)
         blocks = old.unflatten(1, (n // self.c, self.c)).transpose(2, 3).flatten(2)   # (B, n/c, d*c): entry i*c + r is feature i of memory jc + r
         return F.linear(blocks, self.conv.weight.reshape(d, d * self.c), self.conv.bias)   # one GEMM with the weight as stored: (B, n/c, d)
+
+    def tap_major_weight(self) -> Tensor:
+        "The weight as `(d, c*d)` with tap r of input i at r*d + i, the order of c memories stored one after another; kept while the weight is unchanged (no gradient)."
+        w = self.conv.weight
+        key = (w.data_ptr(), w._version, w.dtype)                      # an optimiser step or load_state_dict changes the version
+        if getattr(self, '_tap_major', (None,))[0] != key: self._tap_major = (key, w.detach().transpose(1, 2).reshape(w.shape[0], -1))
+        return self._tap_major[1]
 
 # %% ../nbs/03_compression.ipynb #5b3de4af
 class DilatedConvCompressor(Compressor):

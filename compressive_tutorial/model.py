@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .xl import XLConfig, Memory, empty_memory, fifo_push, visible_after, mask_memory, XLLayer, TransformerXL, lm_loss, reach_from_visibility
+from .xl import XLConfig, Memory, empty_memory, fifo_push, memory_push, visible_after, mask_memory, XLLayer, TransformerXL, lm_loss, reach_from_visibility
 from .compress import COMPRESSORS, make_compressor, check_divisible, attention_usage
 from .losses import CompressionLoss, make_decoder, compression_loss, check_compression_setup, projected_reconstruction_loss
 
@@ -93,11 +93,8 @@ def update_compressive_memory(m:Memory, # the layer's memory before this window 
     else:
         new_cm, new_valid = old.mem[:, :0], old.valid[:, :0]            # (B, 0, d) nothing to compress
     stored = new_cm if keep_graph else new_cm.detach()
-    x = torch.cat([cm.mem, stored.to(cm.mem.dtype)], 1)                 # (B, CM+k, d)
-    ok = torch.cat([cm.valid, new_valid], 1)                            # (B, CM+k)
-    cut = max(0, x.shape[1] - n_cm)                                     # 11. keep the newest n_cm (x[-0:] would keep all)
-    return CompressiveUpdate(kept, Memory(x[:, cut:], ok[:, cut:]), old, new_cm,
-                             Memory(x[:, :cut], ok[:, :cut]), usage, old_usage, age)
+    cm, dropped = memory_push(cm, Memory(stored.to(cm.mem.dtype), new_valid), n_cm)   # 11. keep the newest n_cm of [cm; new]
+    return CompressiveUpdate(kept, cm, old, new_cm, dropped, usage, old_usage, age)
 
 # %% ../nbs/05_compressive_transformer.ipynb #7f8864e3
 @dataclass
@@ -345,19 +342,19 @@ class CompressiveTransformer(TransformerXL):
         if usage is not None and keep is not None: usage, age = usage * m.valid, age * m.valid   # counted afresh per episode
         w, wv = self._grow(window, h, new_valid)                             # (B, P+n, d) this layer's inputs of the window so far
         if w.shape[1] < self.cfg.n_s:                                        # still open: keep it (and its keys/values)
-            kv = self._keep_kv(layer, r.k, r.v, w.shape[1]) if cache else None
+            kv = self._keep_kv(layer, [r.k], [r.v], w.shape[1]) if cache else None
             return r.out, m, cm, Memory(self._own(w.detach()), wv, kv), usage, age, None
-        upd = update_compressive_memory(m, cm, w, n_m, n_cm, self.cfg.c, self.compressors[i], usage,
+        upd = update_compressive_memory(m, cm, self._own(w), n_m, n_cm, self.cfg.c, self.compressors[i], usage,
                                         self.compression_loss.keeps_graph, wv, age)            # 8-11
         if self.compression_hook is not None: self.compression_hook(i, w, upd.old, upd.new_cm)
         n_old = upd.old.length                                               # old = [m; window][:n_old]: keys CM .. CM+n_old-1
         proj = None if P else (r.q, r.k[:, :, CM:CM + n_old], r.v[:, :, CM:CM + n_old])   # the layer's q (if it saw the whole window) and its keys/values of `old`
         new_m, new_cm = upd.m, upd.cm
         if cache:                                                            # the new m is the tail of [m; window], so of r.k, r.v
-            new_m = Memory(new_m.mem, new_m.valid, self._keep_kv(layer, r.k, r.v, new_m.length))
+            new_m = Memory(new_m.mem, new_m.valid, self._keep_kv(layer, [r.k], [r.v], new_m.length))
             nk, nv = layer.project_memory(upd.new_cm.to(h.dtype))            # (B, H, n_old/c, d_h): only the new slots
-            ck, cv = torch.cat([r.k[:, :, :CM], nk.to(r.k.dtype)], 2), torch.cat([r.v[:, :, :CM], nv.to(r.v.dtype)], 2)
-            new_cm = Memory(new_cm.mem, new_cm.valid, self._keep_kv(layer, ck, cv, new_cm.length))
+            new_cm = Memory(new_cm.mem, new_cm.valid, self._keep_kv(layer, [r.k[:, :, :CM], nk.to(r.k.dtype)],   # two pieces: the next
+                                                                    [r.v[:, :, :CM], nv.to(r.v.dtype)], new_cm.length))   # attention joins them
         empty = Memory(window.mem[:, :0], window.valid[:, :0])
         return r.out, new_m, new_cm, empty, upd.usage, upd.age, self._aux(i, w, upd.old, upd.new_cm, proj)
 

@@ -129,8 +129,14 @@ def make_adam(params, # the parameters (any iterable)
              ) -> torch.optim.Adam:
     "torch.optim.Adam with its fused kernel (one pass per tensor) where the parameters' device has one, else the plain loop."
     params = list(params)                                            # a generator could be read only once
-    try: return torch.optim.Adam(params, fused=True, **kw)
+    try: opt = torch.optim.Adam(params, fused=True, **kw)
     except RuntimeError: return torch.optim.Adam(params, **kw)       # no fused kernel here (e.g. PyTorch < 2.4 on the CPU)
+    opt.register_step_post_hook(_mark_updated)                      # the fused kernel writes the weights unseen by autograd
+    return opt
+
+def _mark_updated(opt:torch.optim.Optimizer, args, kwargs):
+    "After a step: count it as an in-place change of every parameter, as the looped Adam's updates are (what caches keyed on versions rely on)."
+    torch.autograd.graph.increment_version([p for g in opt.param_groups for p in g['params']])
 
 def load_optimizer_state(opt:torch.optim.Optimizer, # the optimiser to restore
                          state:dict # what `opt.state_dict()` gave, on this or another machine
