@@ -243,7 +243,9 @@ class _ShiftMasked(torch.autograd.Function):
         ctx.save_for_backward(mask)
         ctx.layout = x.shape, x.stride()
         out = x.new_empty(x.shape)                                   # contiguous, whatever order x's leading dims have
-        return torch.where(mask, view, x.new_full((), float('-inf')), out=out)  # (..., T, K), the only pass over the scores
+        inf = x.new_full((), float('-inf'))
+        if x.device.type != 'cpu': return torch.where(mask, view, inf, out=out)   # (..., T, K), the only pass over the scores
+        return torch.add(view, torch.where(mask, x.new_zeros(()), inf), out=out)  # the same: the CPU's `where` is slow on the big tensor
 
     @staticmethod
     def backward(ctx, g:Tensor):
@@ -254,7 +256,8 @@ class _ShiftMasked(torch.autograd.Function):
         # Row i of the forward read columns T-1-i .. of x. Written back as rows of K-1 that follow each other at stride K-1,
         # they tile flat positions [T-1, T*K-1) of each (T, K) block exactly; what spills into row i+1 is masked (zero).
         rows = gx.as_strided((*lead, T, K - 1), (*stride[:-2], K - 1, 1), T - 1)
-        torch.where(mask[..., :K - 1], g[..., :K - 1], g.new_zeros(()), out=rows)
+        if g.device.type != 'cpu': torch.where(mask[..., :K - 1], g[..., :K - 1], g.new_zeros(()), out=rows)
+        else: torch.mul(g[..., :K - 1], mask[..., :K - 1], out=rows)    # the same (the CPU's `where` is slow here)
         gx[..., 0, :T - 1] = 0                                       # the flat head: distances no query reaches
         gx[..., T - 1, K - 1] = torch.where(mask[..., T - 1, K - 1], g[..., T - 1, K - 1], 0.)   # the flat tail: distance 0
         return gx, None

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['XLConfig', 'KVCache', 'Memory', 'empty_memory', 'fifo_push', 'memory_push', 'update_memory', 'visible_after',
-           'mask_memory', 'XLLayer', 'xl_equivalent_mask', 'XLState', 'lm_loss', 'TransformerXL', 'episode_reference',
-           'temporal_range', 'reachability', 'reach_from_visibility', 'dependency_reach']
+           'mask_memory', 'FeedForward', 'XLLayer', 'xl_equivalent_mask', 'XLState', 'lm_loss', 'TransformerXL',
+           'episode_reference', 'temporal_range', 'reachability', 'reach_from_visibility', 'dependency_reach']
 
 # %% ../nbs/02_transformer_xl.ipynb #eaf3bd7e
 import math
@@ -130,6 +130,15 @@ def mask_memory(memory:Memory, # (B, M, d) stored states of one layer
     return Memory(memory.mem, memory.valid & keep.to(memory.valid.device)[:, None], memory.kv)
 
 # %% ../nbs/02_transformer_xl.ipynb #f6ca8b86
+class FeedForward(nn.Sequential):
+    "The position-wise MLP $W_2\,\mathrm{Dropout}(\mathrm{ReLU}(W_1 x + b_1)) + b_2$ over the last dim, with the ReLU in place."
+    def __init__(self, d:int, d_ff:int, dropout:float=0.):
+        super().__init__(nn.Linear(d, d_ff), nn.ReLU(inplace=True), nn.Dropout(dropout), nn.Linear(d_ff, d))   # (names 0..3, as before)
+
+    def forward(self, x:Tensor) -> Tensor: # (..., d) -> (..., d)
+        "On x as one (N, d) matrix: then W_1 x is a tensor of its own, which the ReLU may overwrite (a view of one would cost autograd two copies)."
+        return super().forward(x.reshape(-1, x.shape[-1])).view(x.shape)
+
 class XLLayer(nn.Module):
     "One Transformer-XL layer: relative attention over `[memory; window]`, then the MLP, each with residual + LayerNorm."
     def __init__(self, cfg:XLConfig):
@@ -137,7 +146,7 @@ class XLLayer(nn.Module):
         d = cfg.d_model
         self.pre_ln = cfg.pre_ln
         self.attn = RelativeMultiHeadAttention(d, cfg.n_heads, cfg.dropatt, cfg.attn_impl, cfg.clamp_len)
-        self.ff = nn.Sequential(nn.Linear(d, cfg.d_ff), nn.ReLU(inplace=True), nn.Dropout(cfg.dropout), nn.Linear(cfg.d_ff, d))   # in place: no second (B, T, d_ff) tensor
+        self.ff = FeedForward(d, cfg.d_ff, cfg.dropout)              # ReLU in place: no second (B, T, d_ff) tensor
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.drop = nn.Dropout(cfg.dropout)
 
