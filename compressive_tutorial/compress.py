@@ -114,7 +114,7 @@ class ConvCompressor(Compressor):
     def tap_major_weight(self) -> Tensor:
         "The weight as `(d, c*d)` with tap r of input i at r*d + i, the order of c memories stored one after another; kept while the weight is unchanged (no gradient)."
         w = self.conv.weight
-        key = (w.data_ptr(), w._version, w.dtype)                      # an optimiser step or load_state_dict changes the version
+        key = (w.data_ptr(), w.device, w._version, w.dtype)            # an optimiser step or load_state_dict changes the version
         if getattr(self, '_tap_major', (None,))[0] != key: self._tap_major = (key, w.detach().transpose(1, 2).reshape(w.shape[0], -1))
         return self._tap_major[1]
 
