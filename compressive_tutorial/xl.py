@@ -360,7 +360,7 @@ class TransformerXL(nn.Module):
             out = []
             for p in reversed(ps):
                 if n <= 0: break
-                out.append(p[:, :, max(0, p.shape[2] - n):]); n -= p.shape[2]   # max(0, L - n), not -n: n may be 0
+                out.append(p[:, :, -n:]); n -= p.shape[2]                # n > 0 here, so -n: is the last n (or all of p)
             return out[::-1] or [ps[-1][:, :, :0]]
         own = lambda p: self._own(p if self.kv_cache_dtype is None else p.to(self.kv_cache_dtype))
         return KVCache(tuple(map(own, tail(ks, n))), tuple(map(own, tail(vs, n))), layer.kv_tag())
