@@ -58,6 +58,11 @@ def attention_mask(T:int, # number of queries: the current window
     same = e[:, :, None] == e[:, None, :]                                 # (B, T, T) window: query and key in one episode
     return mask & torch.cat([old, same], 2)[:, None]                     # (B, 1, T, K)
 
+def _hides_nothing(mem_valid:Tensor|None, B:int, M:int) -> bool:
+    "Whether `mem_valid` is a (B, M) mask that hides no slot (then the causal mask alone will do), asked only where the answer costs no wait: on the CPU, in evaluation. (Training keeps the flow a GPU needs, with no value read back: notebook 05 counts such reads on the CPU.)"
+    return (mem_valid is not None and tuple(mem_valid.shape) == (B, M) and mem_valid.device.type == 'cpu'
+            and not (torch.is_grad_enabled() or torch.compiler.is_compiling()) and bool(mem_valid.all()))
+
 # %% ../nbs/01_attention.ipynb #75161ebc
 def plot_mask(m:Tensor, # (rows, cols) bool or float matrix
               title:str='', # panel title
@@ -181,7 +186,10 @@ class MultiHeadAttention(nn.Module):
         if mem_kv is not None:                                       # keys, values: a tensor each, or lists of pieces
             pieces = lambda x, w: [t.to(w.dtype) for t in ([x] if torch.is_tensor(x) else x)] + [w]
             k, v = torch.cat(pieces(mem_kv[0], k), 2), torch.cat(pieces(mem_kv[1], v), 2)  # (B, H, K, d_h)
-        mask = attention_mask(T, k.shape[2] - T, mem_valid, first, h.device)  # (1 or B, 1, T, K)
+        M = k.shape[2] - T                                           # memory slots in front of the window
+        if first is None and (mem_valid is None or _hides_nothing(mem_valid, B, M)):   # no memory slot hidden (most windows):
+            mask = _causal_mask(T, M, h.device)[None, None]          # the causal mask alone, the shared one (read only), (1, 1, T, K)
+        else: mask = attention_mask(T, M, mem_valid, first, h.device)   # (B, 1, T, K)
         a, probs = self.attend(q, k, v, mask, return_probs=True) if need_probs else (self.attend(q, k, v, mask), None)
         return AttnResult(self.o(self.merge_heads(a)), probs, q, k, v)  # out (B, T, d)
 

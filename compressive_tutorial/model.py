@@ -333,7 +333,8 @@ class CompressiveTransformer(TransformerXL):
         "One layer, n steps: attend over [cm; m; open window; h]; once the window is complete, evict, compress, push. (h', m, cm, window, usage, age, aux)"
         layer, CM, P = self.layers[i], cm.length, window.length
         cache = self._use_cache()
-        r = self._attend(layer, h, [cm, m, window], first, cache, need_probs)  # 5-7, 12. out (B, n, d); k, v over [cm; m; window; h]
+        tag = layer.kv_tag() if cache else None                              # the weights behind the keys/values kept this window
+        r = self._attend(layer, h, [cm, m, window], first, tag, need_probs)  # 5-7, 12. out (B, n, d); k, v over [cm; m; window; h]
         p = r.probs                                                          # (B, H, n, CM+M+P+n) or None
         if self.record_attention: self.attention_records[i] = AttentionRecord(self._own(p.detach()), CM, m.length, h.shape[1], P)
         if usage is not None: usage = usage + attention_usage(p, CM, CM + m.length).to(usage.dtype)   # (B, M)
@@ -342,7 +343,7 @@ class CompressiveTransformer(TransformerXL):
         if usage is not None and keep is not None: usage, age = usage * m.valid, age * m.valid   # counted afresh per episode
         w, wv = self._grow(window, h, new_valid)                             # (B, P+n, d) this layer's inputs of the window so far
         if w.shape[1] < self.cfg.n_s:                                        # still open: keep it (and its keys/values)
-            kv = self._keep_kv(layer, [r.k], [r.v], w.shape[1]) if cache else None
+            kv = self._keep_kv(tag, [r.k], [r.v], w.shape[1]) if cache else None
             return r.out, m, cm, Memory(self._own(w.detach()), wv, kv), usage, age, None
         upd = update_compressive_memory(m, cm, self._own(w), n_m, n_cm, self.cfg.c, self.compressors[i], usage,
                                         self.compression_loss.keeps_graph, wv, age)            # 8-11
@@ -351,9 +352,9 @@ class CompressiveTransformer(TransformerXL):
         proj = None if P else (r.q, r.k[:, :, CM:CM + n_old], r.v[:, :, CM:CM + n_old])   # the layer's q (if it saw the whole window) and its keys/values of `old`
         new_m, new_cm = upd.m, upd.cm
         if cache:                                                            # the new m is the tail of [m; window], so of r.k, r.v
-            new_m = Memory(new_m.mem, new_m.valid, self._keep_kv(layer, [r.k], [r.v], new_m.length))
+            new_m = Memory(new_m.mem, new_m.valid, self._keep_kv(tag, [r.k], [r.v], new_m.length))
             nk, nv = layer.project_memory(upd.new_cm.to(h.dtype))            # (B, H, n_old/c, d_h): only the new slots
-            new_cm = Memory(new_cm.mem, new_cm.valid, self._keep_kv(layer, [r.k[:, :, :CM], nk.to(r.k.dtype)],   # two pieces: the next
+            new_cm = Memory(new_cm.mem, new_cm.valid, self._keep_kv(tag, [r.k[:, :, :CM], nk.to(r.k.dtype)],   # two pieces: the next
                                                                     [r.v[:, :, :CM], nv.to(r.v.dtype)], new_cm.length))   # attention joins them
         empty = Memory(window.mem[:, :0], window.valid[:, :0])
         return r.out, new_m, new_cm, empty, upd.usage, upd.age, self._aux(i, w, upd.old, upd.new_cm, proj)

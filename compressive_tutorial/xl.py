@@ -348,13 +348,13 @@ class TransformerXL(nn.Module):
         return self.kv_cache and not torch.is_grad_enabled()
 
     @staticmethod
-    def _cached_kv(layer:XLLayer, memory:Memory) -> tuple|None:
-        "The memory's cached (keys, values), or None if there is none or `layer`'s weights changed since they were made."
+    def _cached_kv(tag:tuple, memory:Memory) -> tuple|None:
+        "The memory's cached (keys, values), or None if there is none or the layer's weights changed since they were made (`tag`: its `kv_tag()` now)."
         kv = memory.kv
-        if kv is None or kv.length != memory.length or kv.tag != layer.kv_tag(): return None
+        if kv is None or kv.length != memory.length or kv.tag != tag: return None
         return kv.ks, kv.vs
 
-    def _keep_kv(self, layer:XLLayer, ks:list, vs:list, n:int) -> KVCache:
+    def _keep_kv(self, tag:tuple, ks:list, vs:list, n:int) -> KVCache:
         "The newest `n` key/value slots of the pieces `ks`, `vs` ((B, H, L_i, d_h) each, oldest first) as the cache of a memory of length n: views."
         def tail(ps, n):                                                 # the last n slots over the pieces; at least one piece
             out = []
@@ -363,15 +363,15 @@ class TransformerXL(nn.Module):
                 out.append(p[:, :, -n:]); n -= p.shape[2]                # n > 0 here, so -n: is the last n (or all of p)
             return out[::-1] or [ps[-1][:, :, :0]]
         own = lambda p: self._own(p if self.kv_cache_dtype is None else p.to(self.kv_cache_dtype))
-        return KVCache(tuple(map(own, tail(ks, n))), tuple(map(own, tail(vs, n))), layer.kv_tag())
+        return KVCache(tuple(map(own, tail(ks, n))), tuple(map(own, tail(vs, n))), tag)
 
-    def _attend(self, layer:XLLayer, h:Tensor, stores:list, first:Tensor|None, cache:bool, need_probs:bool=False) -> AttnResult:
-        "The layer over `h` (B, n, d), reading `stores` (Memory each, oldest first: [memory; open window]) as the keys in front of it."
+    def _attend(self, layer:XLLayer, h:Tensor, stores:list, first:Tensor|None, tag:tuple|None, need_probs:bool=False) -> AttnResult:
+        "The layer over `h` (B, n, d), reading `stores` (Memory each, oldest first: [memory; open window]) as the keys in front of it; their cached keys/values if `tag` (the layer's `kv_tag()`, None: no cache) matches."
         full = [s for s in stores if s.length]                           # empty stores add no key
         one = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts, 1)     # no copy for a single store
         if not full: return layer(h, stores[0].mem, stores[0].valid, need_probs, full=True, first=first)
         valid = one([s.valid for s in full])                             # (B, N)
-        kvs = [self._cached_kv(layer, s) for s in full] if cache else [None]
+        kvs = [self._cached_kv(tag, s) for s in full] if tag else [None]
         if all(kv is not None for kv in kvs):                           # evaluation: keys/values kept from earlier calls
             return layer(h, None, valid, need_probs, mem_kv=([k for kv in kvs for k in kv[0]], [v for kv in kvs for v in kv[1]]), full=True, first=first)
         return layer(h, one([s.mem for s in full]), valid, need_probs, full=True, first=first)   # (B, N, d) projected here
@@ -387,14 +387,15 @@ class TransformerXL(nn.Module):
         cache, ms, ws = self._use_cache(), [], []
         keep, new_valid = (None, None) if first is None else visible_after(first)   # what stays readable after these steps
         for layer, memory, window in zip(self.layers, state.memories, state.window):
-            r = self._attend(layer, h, [memory, window], first, cache)     # keys/values r.k, r.v over [memory; window; h]
+            tag = layer.kv_tag() if cache else None                        # the weights behind the keys/values kept this window
+            r = self._attend(layer, h, [memory, window], first, tag)     # keys/values r.k, r.v over [memory; window; h]
             memory, window = mask_memory(memory, keep), mask_memory(window, keep)
             w, wv = self._grow(window, h, new_valid)                       # (B, P+n, d) this layer's inputs of the window so far
             if w.shape[1] < self.cfg.n_s:                                  # still open: keep it (and its keys/values)
-                window = Memory(self._own(w.detach()), wv, self._keep_kv(layer, [r.k], [r.v], w.shape[1]) if cache else None)
+                window = Memory(self._own(w.detach()), wv, self._keep_kv(tag, [r.k], [r.v], w.shape[1]) if cache else None)
             else:                                                          # complete: store this layer's INPUT (detached; may be a view of w)
                 memory, window = update_memory(memory, self._own(w), n_m, wv), Memory(window.mem[:, :0], window.valid[:, :0])
-                if cache: memory.kv = self._keep_kv(layer, [r.k], [r.v], memory.length)   # the tail of [memory; window]
+                if cache: memory.kv = self._keep_kv(tag, [r.k], [r.v], memory.length)   # the tail of [memory; window]
             ms.append(memory); ws.append(window)
             h = r.out                                                      # (B, n, d)
         return h, XLState(ms, ws)
