@@ -388,7 +388,7 @@ class TransformerXL(nn.Module):
         keep, new_valid = (None, None) if first is None else visible_after(first)   # what stays readable after these steps
         for layer, memory, window in zip(self.layers, state.memories, state.window):
             tag = layer.kv_tag() if cache else None                        # the weights behind the keys/values kept this window
-            r = self._attend(layer, h, [memory, window], first, tag)     # keys/values r.k, r.v over [memory; window; h]
+            r = self._attend(layer, h, [memory, window], first, tag)       # keys/values r.k, r.v over [memory; window; h]
             memory, window = mask_memory(memory, keep), mask_memory(window, keep)
             w, wv = self._grow(window, h, new_valid)                       # (B, P+n, d) this layer's inputs of the window so far
             if w.shape[1] < self.cfg.n_s:                                  # still open: keep it (and its keys/values)
