@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['ATTN_IMPLS', 'causal_mask', 'attention_mask', 'plot_mask', 'masked_attention', 'attend_explicit', 'AttnResult',
            'MultiHeadAttention', 'sinusoid_embedding', 'relative_distances', 'rel_shift', 'shift_masked',
-           'attend_biased', 'shift_masked_', 'reversed_sinusoid', 'RelativeMultiHeadAttention']
+           'attend_biased', 'shift_masked_', 'rel_score_mod', 'flex_reference', 'attend_flex', 'reversed_sinusoid',
+           'RelativeMultiHeadAttention']
 
 # %% ../nbs/01_attention.ipynb #bf498ed4
 import functools, math
@@ -109,7 +110,7 @@ def attend_explicit(q:Tensor, # (B, H, T, d_h) queries
     return masked_attention(scores, v, mask, dropout_p)
 
 # %% ../nbs/01_attention.ipynb #c150d7c1
-ATTN_IMPLS = ('sdpa', 'explicit')
+ATTN_IMPLS = ('sdpa', 'explicit', 'flex')
 
 # %% ../nbs/01_attention.ipynb #cc8473dd
 class AttnResult(NamedTuple):
@@ -126,7 +127,7 @@ class MultiHeadAttention(nn.Module):
                  d_model:int, # width d of the residual stream
                  n_heads:int, # number of heads H; d_model must be divisible by it
                  dropatt:float=0., # dropout on attention probabilities (training only)
-                 attn_impl:str='sdpa' # 'sdpa': the fast fused path; 'explicit': scores, mask, softmax by hand
+                 attn_impl:str='sdpa' # 'sdpa': the fast fused path; 'explicit': scores, mask, softmax by hand; 'flex': 'sdpa' here (no positional term)
                 ):
         super().__init__()
         if d_model % n_heads:
@@ -318,6 +319,49 @@ def shift_masked_(x:Tensor, # (..., T, K+1) scores against reversed distances K 
     if torch.count_nonzero(mem) < mem.numel(): view[..., :M].masked_fill_(~mem, float('-inf'))   # hidden memory slots
     return view
 
+# %% ../nbs/01_attention.ipynb #a1f00022
+try: from torch.nn.attention.flex_attention import flex_attention   # PyTorch >= 2.5
+except ImportError: flex_attention = None
+
+def rel_score_mod(pos:Tensor, # (B, H, T, K) scores against reversed distances (column k is distance K-1-k), e.g. (q+v) Q^T
+                  mask:Tensor # bool, broadcastable to (B, 1, T, K); True = may attend; must hide everything above the causal boundary
+                 ): # FlexAttention's score_mod(score, b, h, i, j)
+    "The relative term as FlexAttention's `score_mod`: each score plus `rel_shift(pos)` read by index, -inf where `mask` is False."
+    B, H, T, K = pos.shape
+    mask = mask.expand(B, 1, T, K)                                    # one row per stream: a view, nothing copied
+    def score_mod(score, b, h, i, j):
+        col = torch.clamp(j + (T - 1) - i, max=K - 1)                 # the shift as an index (clamped where masked)
+        return torch.where(mask[b, 0, i, j], score + pos[b, h, i, col], float('-inf'))
+    return score_mod
+
+def flex_reference(q:Tensor, # (B, H, T, d_h) queries, already scaled
+                   k:Tensor, # (B, H, K, d_h) keys
+                   v:Tensor, # (B, H, K, d_h) values
+                   score_mod # FlexAttention's score_mod(score, b, h, i, j)
+                  ) -> Tensor: # (B, H, T, d_h) softmax(score_mod(q k^T)) v
+    "What `flex_attention(q, k, v, score_mod=score_mod, scale=1.0)` computes, unfused: score_mod applied to the whole score grid at once (scores in fp32, as its kernels keep them)."
+    (B, H, T, _), K = q.shape, k.shape[2]
+    idx = lambda n, *shape: torch.arange(n, device=q.device).view(*shape)
+    with torch.autocast(q.device.type, enabled=False):
+        s = score_mod(q.float() @ k.float().transpose(-2, -1), idx(B, B, 1, 1, 1), idx(H, 1, H, 1, 1), idx(T, T, 1), idx(K, 1, K))
+        return (s.softmax(-1) @ v.float()).to(q.dtype)
+
+@functools.cache
+def _flex_kernel(): return torch.compile(flex_attention)   # for eager callers: FlexAttention's kernels exist only compiled
+
+def attend_flex(q:Tensor, # (B, H, T, d_h) queries, already scaled, e.g. (q+u)/sqrt(d_h)
+                k:Tensor, # (B, H, K, d_h) keys
+                v:Tensor, # (B, H, K, d_h) values
+                pos:Tensor, # (B, H, T, K) scores against reversed distances (column k is distance K-1-k), e.g. (q+v) Q^T / sqrt(d_h)
+                mask:Tensor # bool, broadcastable to (B, 1, T, K); True = may attend; must hide everything above the causal boundary
+               ) -> Tensor: # (B, H, T, d_h) softmax(q k^T + where(mask, rel_shift(pos), -inf)) v
+    "The relative attention with the shift and the mask inside FlexAttention's kernel (CUDA); on the CPU the same `score_mod` over the whole grid."
+    score_mod = rel_score_mod(pos, mask)
+    if q.device.type == 'cpu': return flex_reference(q, k, v, score_mod)   # torch has no FlexAttention backward on the CPU
+    if flex_attention is None: raise ImportError(f"attn_impl='flex' needs FlexAttention (torch >= 2.5; this is {torch.__version__}): upgrade torch or use attn_impl='sdpa'.")
+    flex = flex_attention if torch.compiler.is_compiling() else _flex_kernel()   # inside compile_layers: part of the layer's graph
+    return flex(q, k, v, score_mod=score_mod, scale=1.0)
+
 # %% ../nbs/01_attention.ipynb #0e1658c3
 def reversed_sinusoid(K:int, # keys: distances K-1 .. 0
                       d:int, # embedding width, even
@@ -345,12 +389,13 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
                  d_model:int, # width d of the residual stream (even: R is a sinusoid of width d)
                  n_heads:int, # number of heads H
                  dropatt:float=0., # dropout on attention probabilities (training only)
-                 attn_impl:str='sdpa', # 'sdpa' (shifted bias + fused kernel) or 'explicit' (four terms by hand)
+                 attn_impl:str='sdpa', # 'sdpa' (shifted bias + fused kernel), 'explicit' (four terms by hand) or 'flex' (shift inside FlexAttention's kernel, CUDA)
                  clamp_len:int|None=None # distances above this use R_clamp_len; None = no clamping
                 ):
         super().__init__(d_model, n_heads, dropatt, attn_impl)
         if d_model % 2: raise ValueError(f"d_model={d_model} must be even for the sinusoidal R: use an even d_model.")
         if clamp_len is not None and clamp_len < 0: raise ValueError(f"clamp_len={clamp_len} must be >= 0 or None.")
+        if attn_impl == 'flex' and dropatt: raise ValueError(f"attn_impl='flex' has no attention dropout (FlexAttention applies none), got dropatt={dropatt}: set dropatt=0 or use attn_impl='sdpa'.")
         self.clamp_len = clamp_len
         self.r = nn.Linear(d_model, d_model, bias=False)                  # W_{k,R}: projects R
         self.u_bias = nn.Parameter(torch.randn(n_heads, self.d_head) * 0.02)  # u: global content bias, per head
@@ -383,17 +428,18 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         return (t['a'] + t['b'] + t['c'] + t['d']) / math.sqrt(self.d_head)
 
     def fast_attend(self, q:Tensor, k:Tensor, v:Tensor, mask:Tensor, dropout_p:float) -> Tensor:
-        "Efficient path: (b)+(d) $=\\mathrm{shift}((q+v)Q)$ as a masked bias (one strided pass; in evaluation on the CPU a view masked in place), then the fused attention with query $q+u$."
+        "Efficient path: (b)+(d) $=\\mathrm{shift}((q+v)Q)$ as a masked bias (one strided pass; in evaluation on the CPU a view masked in place), then the fused attention with query $q+u$; with `attn_impl='flex'` the shift and the mask inside FlexAttention's kernel (`attend_flex`)."
         s = 1 / math.sqrt(self.d_head)                                    # scale the small (B, H, T, d_h) queries, not the scores
         B, H, T, dh = q.shape
         K = k.shape[2]
-        in_place = q.device.type == 'cpu' and not (torch.is_grad_enabled() or dropout_p or torch.compiler.is_compiling())
+        in_place = self.attn_impl == 'sdpa' and q.device.type == 'cpu' and not (torch.is_grad_enabled() or dropout_p or torch.compiler.is_compiling())
         D = K + 1 if in_place else K                                      # distances D-1 .. 0: one more for `shift_masked_`
         Q = self.rel_proj(D, q.device).to(q.dtype)                        # (H, d_h, D), the same for every stream
         u, v_ = ((b * s).to(q.dtype)[:, None, :] for b in (self.u_bias, self.v_bias))   # (H, 1, d_h) in the queries' dtype (autocast)
         qv = torch.add(v_, q, alpha=s).transpose(0, 1).reshape(H, B * T, dh)   # (H, B*T, d_h) (q+v)/sqrt(d_h): a view, stored (B, T, H, d_h)
         pos = torch.bmm(qv, Q).view(H, B, T, D).transpose(0, 1)           # (B, H, T, D): one GEMM per head over all B*T queries
         qu, k, v = torch.add(u, q, alpha=s), k.to(q.dtype), v.to(q.dtype) # (q+u)/sqrt(d_h)
+        if self.attn_impl == 'flex': return attend_flex(qu, k, v, pos, mask)   # shift and mask inside the kernel: no bias
         if in_place:                                                      # evaluation on the CPU: the bias is a view of pos
             return F.scaled_dot_product_attention(qu, k, v, attn_mask=shift_masked_(pos, mask), scale=1.0)
         return attend_biased(qu, k, v, shift_masked(pos, mask), dropout_p, overwrite=True)   # bias (B, H, T, K): -inf where masked

@@ -21,7 +21,7 @@ from .train import DEVICES, hardware, make_adam, compile_layers
 from .experiments import _sync
 
 # %% ../nbs/15_performance.ipynb #b1500009
-IMPLS = ('ours-ct', 'ours-txl', 'ours-ct-compiled', 'ours-ct-cudagraphs', 'ours-ct-cudagraphs-notrees', 'ours-ct-noaux', 'lucidrains-ct', 'labml-ct')   # what `RUNNERS` (below) builds
+IMPLS = ('ours-ct', 'ours-txl', 'ours-ct-compiled', 'ours-ct-cudagraphs', 'ours-ct-cudagraphs-notrees', 'ours-ct-flex', 'ours-ct-noaux', 'lucidrains-ct', 'labml-ct')   # what `RUNNERS` (below) builds
 
 @dataclass
 class BenchConfig:
@@ -72,7 +72,7 @@ class BenchConfig:
 
 BENCH_CPU = BenchConfig()
 BENCH_GPU = BenchConfig(n_layers=8, d_model=512, n_heads=8, d_ff=2048, n_s=512, n_m=512, n_cm=512, c=4, batch_size=16,
-                        dtype='bfloat16', device='cuda', reps=5, impls=('ours-ct', 'ours-ct-compiled', 'ours-ct-cudagraphs', 'ours-ct-cudagraphs-notrees', 'ours-txl', 'lucidrains-ct', 'labml-ct'))
+                        dtype='bfloat16', device='cuda', reps=5, impls=('ours-ct', 'ours-ct-compiled', 'ours-ct-cudagraphs', 'ours-ct-cudagraphs-notrees', 'ours-ct-flex', 'ours-txl', 'lucidrains-ct', 'labml-ct'))
 
 # %% ../nbs/15_performance.ipynb #b1500012
 def ct_flops_per_token(cfg:BenchConfig, # the sizes
@@ -124,12 +124,12 @@ class OursRunner(Runner):
     COMPILED = {True: ('-compiled', {}),                 # torch.compile's default mode
                 'reduce-overhead': ('-cudagraphs', {'mode': 'reduce-overhead'}),   # CUDA graphs in cudagraph trees (one shared pool)
                 'no-trees': ('-cudagraphs-notrees', {'options': {'triton.cudagraphs': True, 'triton.cudagraph_trees': False}})}   # a pool each
-    def __init__(self, cfg:BenchConfig, kind:str='ct', compiled:bool|str=False, aux:bool=True, **model_kw):
-        "compiled: False (eager) or a key of `COMPILED`: True (torch.compile's default mode), 'reduce-overhead' or 'no-trees' (CUDA graphs, on CUDA)"
+    def __init__(self, cfg:BenchConfig, kind:str='ct', compiled:bool|str=False, aux:bool=True, name:str|None=None, **model_kw):
+        "compiled: False (eager) or a key of `COMPILED`: True (torch.compile's default mode), 'reduce-overhead' or 'no-trees' (CUDA graphs, on CUDA); name: for the tables (default: from kind, compiled and aux); model_kw: config fields, e.g. attn_impl"
         if compiled and compiled not in self.COMPILED: raise ValueError(f"compiled={compiled!r} is unknown: use False or one of {list(self.COMPILED)}")
         suffix, compile_kw = self.COMPILED[compiled] if compiled else ('', {})
         self.cfg, self.kind, self.graphs = cfg, kind, suffix.startswith('-cudagraphs')
-        self.name = f'ours-{kind}' + suffix + ('' if aux else '-noaux')
+        self.name = name or f'ours-{kind}' + suffix + ('' if aux else '-noaux')
         m = CompressiveTransformer(cfg.ct(**model_kw)) if kind == 'ct' else TransformerXL(cfg.txl(**model_kw))
         self.model = m.to(cfg.device)
         if not aux:                                         # a measurement, not a configuration: the same model and f_c,
@@ -241,6 +241,7 @@ RUNNERS = {'ours-ct': lambda cfg: OursRunner(cfg, 'ct'), 'ours-txl': lambda cfg:
            'ours-ct-compiled': lambda cfg: OursRunner(cfg, 'ct', compiled=True),
            'ours-ct-cudagraphs': lambda cfg: OursRunner(cfg, 'ct', compiled='reduce-overhead'),   # CUDA: each layer's launches replayed as one graph
            'ours-ct-cudagraphs-notrees': lambda cfg: OursRunner(cfg, 'ct', compiled='no-trees'),  # the same, each graph with memory of its own
+           'ours-ct-flex': lambda cfg: OursRunner(cfg, 'ct', compiled=True, attn_impl='flex', name='ours-ct-flex'),  # compiled, (b)+(d) inside FlexAttention
            'ours-ct-noaux': lambda cfg: OursRunner(cfg, 'ct', aux=False),   # what Algorithm 2 costs: the CT without it
            'lucidrains-ct': LucidrainsRunner, 'labml-ct': LabmlRunner}
 

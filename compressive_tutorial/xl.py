@@ -32,7 +32,7 @@ class XLConfig:
     dropatt:float = 0.0         # dropout on the attention probabilities
     pre_ln:bool = False         # False: post-LayerNorm as in the paper; True: pre-LN (a departure; steadier for deep models)
     tie_weights:bool = False    # True: the output projection shares the token-embedding matrix
-    attn_impl:str = 'sdpa'      # 'sdpa': (b)+(d) as a float bias to the fused kernel (fast); 'explicit': four terms by hand
+    attn_impl:str = 'sdpa'      # 'sdpa': (b)+(d) as a float bias to the fused kernel (fast); 'explicit': four terms by hand; 'flex': inside FlexAttention (CUDA, dropatt=0)
 
     def __post_init__(self):
         for name in ('vocab_size', 'd_model', 'n_heads', 'n_layers', 'd_ff', 'n_s'):
@@ -131,7 +131,7 @@ def mask_memory(memory:Memory, # (B, M, d) stored states of one layer
 
 # %% ../nbs/02_transformer_xl.ipynb #f6ca8b86
 class FeedForward(nn.Sequential):
-    "The position-wise MLP $W_2\,\mathrm{Dropout}(\mathrm{ReLU}(W_1 x + b_1)) + b_2$ over the last dim, with the ReLU in place."
+    r"The position-wise MLP $W_2\,\mathrm{Dropout}(\mathrm{ReLU}(W_1 x + b_1)) + b_2$ over the last dim, with the ReLU in place."
     def __init__(self, d:int, d_ff:int, dropout:float=0.):
         super().__init__(nn.Linear(d, d_ff), nn.ReLU(inplace=True), nn.Dropout(dropout), nn.Linear(d_ff, d))   # (names 0..3, as before)
 

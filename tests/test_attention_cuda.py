@@ -1,4 +1,4 @@
-"""GPU checks that run without nbdev (the GPU machine has none): fused against explicit attention on CUDA (fp32 and bf16),
+"""GPU checks that run without nbdev (the GPU machine has none): fused (SDPA and FlexAttention) against explicit attention on CUDA (fp32 and bf16),
 the fused kernel with the in-place shift's strided mask, the cached inference path, the reused projections of the
 reconstruction loss, the host syncs of a training window, and a short form of the GPU benchmark.
 Every test here skips cleanly on a machine without CUDA."""
@@ -22,31 +22,34 @@ def randomized(m, seed=0, std=0.5):
     return m
 
 
-def _pair(d=64, H=4, clamp_len=None):
+def _pair(d=64, H=4, clamp_len=None, impl='sdpa'):
     ex = randomized(RelativeMultiHeadAttention(d, H, attn_impl='explicit', clamp_len=clamp_len), std=0.1).to(DEV)
-    fa = RelativeMultiHeadAttention(d, H, clamp_len=clamp_len).to(DEV); fa.load_state_dict(ex.state_dict())
+    fa = RelativeMultiHeadAttention(d, H, attn_impl=impl, clamp_len=clamp_len).to(DEV); fa.load_state_dict(ex.state_dict())
     return ex, fa
 
 
+@pytest.mark.parametrize('impl', ['sdpa', 'flex'])   # flex: FlexAttention's generated kernel, the shift read inside it
 @pytest.mark.parametrize('T,M', [(1, 0), (64, 0), (64, 128), (32, 200)])
-def test_fused_equals_explicit_fp32(T, M):
-    ex, fa = _pair()
+def test_fused_equals_explicit_fp32(T, M, impl):
+    ex, fa = _pair(impl=impl)
     torch.manual_seed(1)
     h = torch.randn(3, T, 64, device=DEV, requires_grad=True); mem = torch.randn(3, M, 64, device=DEV)
     mv = torch.rand(3, M, device=DEV) > 0.2
+    first = torch.rand(3, T, device=DEV) < 0.1                  # episode starts: a per-query mask
     grads = []
     for m in (ex, fa):
-        out = m(h, mem, mv)
+        out = m(h, mem, mv, first=first)
         grads.append((out, torch.autograd.grad(out.pow(2).sum(), [h] + list(m.parameters()))))
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-4, atol=1e-4)
     for a, b in zip(grads[1][1], grads[0][1]):   # relative to each gradient's size, but a gradient that is 0 (one key: every
         assert (a - b).abs().max() <= 1e-4 * b.abs().max() + 1e-5, 'gradients differ'   # score term) is 0 up to rounding
 
 
+@pytest.mark.parametrize('impl', ['sdpa', 'flex'])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
-def test_fused_under_autocast_is_close_to_fp32(dtype):
+def test_fused_under_autocast_is_close_to_fp32(dtype, impl):
     if dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported(): pytest.skip('no bf16 on this device')
-    ex, fa = _pair()
+    ex, fa = _pair(impl=impl)
     torch.manual_seed(1)
     h, mem = torch.randn(4, 64, 64, device=DEV), torch.randn(4, 128, 64, device=DEV)
     ref = ex(h, mem)

@@ -1,5 +1,6 @@
 """CPU checks of the fast paths of issue 13: each one against the explicit computation it replaces (runs under plain `pytest tests/`)."""
 import math
+from dataclasses import replace
 import pytest
 import torch
 from compressive_tutorial.attention import (RelativeMultiHeadAttention, rel_shift, shift_masked, attention_mask,
@@ -175,4 +176,38 @@ def test_compiled_runner_times_one_static_graph_per_phase():
         with torch._dynamo.config.patch(error_on_recompile=True):    # the timed windows: the graph made in the warm-up, as is
             for _ in range(3): r.step(phase, x, x)
     assert counters['stats']['unique_graphs'] == 2, dict(counters['stats'])   # one for training, one for inference
+    assert not counters['graph_break'], f"graph breaks: {dict(counters['graph_break'])}"
+
+
+@pytest.mark.parametrize('case', ['cpu', pytest.param('cuda', marks=_cuda), pytest.param('cuda-compiled', marks=_cuda)])
+def test_flex_model_equals_sdpa(case):
+    "A CT with attn_impl='flex' trains and evaluates like the default 'sdpa' one (losses, reconstruction losses, gradients, logits) while the memories fill, after, and across a stream reset. CUDA: FlexAttention's kernel, from eager layers and inside compiled ones; CPU: its reference, the same score_mod on the whole grid."
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    device = 'cpu' if case == 'cpu' else 'cuda'
+    torch._dynamo.reset(); counters.clear()
+    torch.manual_seed(0)
+    cfg = CTConfig(vocab_size=32, d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=8, n_m=8, n_cm=8, c=2,
+                   compression='conv', compression_loss='attention')
+    ref = CompressiveTransformer(cfg).to(device)
+    flex = CompressiveTransformer(replace(cfg, attn_impl='flex')).to(device); flex.load_state_dict(ref.state_dict())
+    if case == 'cuda-compiled': compile_layers(flex)
+    x = torch.randint(0, 32, (2, 8), device=device)
+    states = [None, None]
+    with torch._dynamo.config.patch(recompile_limit=64):   # a graph for each memory length while they fill
+        for w in range(6):                                  # full by the 4th window; stream 0 starts anew in the 5th
+            reset = torch.tensor([w == 4, False], device=device)
+            losses = []
+            for i, m in enumerate((ref, flex)):
+                _, loss, states[i] = m(x, states[i], targets=x, reset=reset)
+                aux = m.aux_loss if m.aux_loss is not None else loss.new_zeros(())
+                (loss + aux).backward()
+                losses.append(torch.stack([loss, aux]))
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+        for a, b in zip(ref.parameters(), flex.parameters()): torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+        ref.eval(); flex.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                (la, _, states[0]), (lb, _, states[1]) = ref(x, states[0]), flex(x, states[1])
+                torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
     assert not counters['graph_break'], f"graph breaks: {dict(counters['graph_break'])}"
