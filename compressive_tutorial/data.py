@@ -315,12 +315,16 @@ def hash_split(names:list, # file names
                valid_frac:float=0.1, # fraction of books for validation
                test_frac:float=0.1, # fraction of books for test
               ) -> dict: # name -> 'train' | 'valid' | 'test'
-    "A deterministic split by book: names sorted by md5 of the name; test first, then valid, then train."
-    order = sorted(names, key=lambda n: hashlib.md5(n.encode('utf-8')).hexdigest())
-    n = len(order)
-    n_test = max(1, round(test_frac * n)) if n >= 3 else 0
-    n_valid = max(1, round(valid_frac * n)) if n >= 3 else 0
-    return {name: 'test' if i < n_test else 'valid' if i < n_test + n_valid else 'train' for i, name in enumerate(order)}
+    "A deterministic split by book, each name on its own: its md5 read as a number u in [0, 1) puts it in test (u < test_frac), valid (u < test_frac + valid_frac) or train, so adding or removing books moves no other book."
+    if not (0 <= valid_frac and 0 <= test_frac and valid_frac + test_frac < 1):
+        raise ValueError(f"valid_frac={valid_frac}, test_frac={test_frac}: each must be >= 0 and their sum below 1")
+    u = {n: int(hashlib.md5(n.encode('utf-8')).hexdigest(), 16) / 16 ** 32 for n in names}
+    if len(u) < 3: return {n: 'train' for n in u}            # too few books to hold any out
+    split = {n: 'test' if x < test_frac else 'valid' if x < test_frac + valid_frac else 'train' for n, x in u.items()}
+    for s, frac in (('test', test_frac), ('valid', valid_frac)):   # a small folder: no held-out split left empty (unless its fraction is 0)
+        train = sorted((x, n) for n, x in u.items() if split[n] == 'train')
+        if frac > 0 and s not in split.values() and len(train) > 1: split[train[0][1]] = s   # the train book nearest the held-out range
+    return split
 
 def read_split_table(path, # a SOURCES.tsv-style file: a `file` column and a `split` or `suggested_split` column
                     ) -> dict: # file name -> 'train' | 'valid' | 'test'
