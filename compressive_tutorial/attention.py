@@ -360,7 +360,8 @@ def attend_flex(q:Tensor, # (B, H, T, d_h) queries, already scaled, e.g. (q+u)/s
     if q.device.type == 'cpu': return flex_reference(q, k, v, score_mod)   # torch has no FlexAttention backward on the CPU
     if flex_attention is None: raise ImportError(f"attn_impl='flex' needs FlexAttention (torch >= 2.5; this is {torch.__version__}): upgrade torch or use attn_impl='sdpa'.")
     flex = flex_attention if torch.compiler.is_compiling() else _flex_kernel()   # inside compile_layers: part of the layer's graph
-    return flex(q, k, v, score_mod=score_mod, scale=1.0)
+    with torch.autocast(q.device.type, enabled=False):                # q, k, v share a dtype already (older torch: no autocast rule)
+        return flex(q, k, v, score_mod=score_mod, scale=1.0)
 
 # %% ../nbs/01_attention.ipynb #0e1658c3
 def reversed_sinusoid(K:int, # keys: distances K-1 .. 0
