@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['ATTN_IMPLS', 'causal_mask', 'attention_mask', 'plot_mask', 'masked_attention', 'attend_explicit', 'AttnResult',
            'MultiHeadAttention', 'sinusoid_embedding', 'relative_distances', 'rel_shift', 'shift_masked',
-           'attend_biased', 'shift_masked_', 'rel_score_mod', 'flex_reference', 'attend_flex', 'reversed_sinusoid',
-           'RelativeMultiHeadAttention']
+           'attend_biased', 'shift_masked_', 'rel_score_mod', 'flex_reference', 'attend_flex', 'weights_key',
+           'reversed_sinusoid', 'RelativeMultiHeadAttention']
 
 # %% ../nbs/01_attention.ipynb #bf498ed4
 import functools, math
@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # %% ../nbs/01_attention.ipynb #51c6e348
 def causal_mask(T:int, # number of queries: the current window
@@ -363,6 +364,16 @@ def attend_flex(q:Tensor, # (B, H, T, d_h) queries, already scaled, e.g. (q+u)/s
     with torch.autocast(q.device.type, enabled=False):                # q, k, v share a dtype already (older torch: no autocast rule)
         return flex(q, k, v, score_mod=score_mod, scale=1.0)
 
+# %% ../nbs/01_attention.ipynb #a1f00032
+_STEPS = [0]   # optimiser steps taken in this process, by any torch.optim.Optimizer
+
+def _count_step(opt, args, kwargs): _STEPS[0] += 1
+register_optimizer_step_post_hook(_count_step)                          # PyTorch calls it after every optimiser's step
+
+def weights_key(*ps:Tensor) -> tuple:
+    "Identity of weights, for a value computed from them and kept: each one's storage and in-place version, and the optimiser steps taken in this process (a fused step leaves the versions as they were)."
+    return tuple((p.data_ptr(), p._version) for p in ps) + (_STEPS[0],)
+
 # %% ../nbs/01_attention.ipynb #0e1658c3
 def reversed_sinusoid(K:int, # keys: distances K-1 .. 0
                       d:int, # embedding width, even
@@ -403,11 +414,11 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         self.v_bias = nn.Parameter(torch.randn(n_heads, self.d_head) * 0.02)  # v: global position bias, per head
 
     def rel_proj(self, K:int, device=None) -> Tensor:
-        "The paper's Q: row k is $W_{k,R} R_{K-1-k}$, split into heads `(H, d_h, K)`; kept while no gradient is taken and W_{k,R}, clamp_len and autocast are unchanged."
+        "The paper's Q: row k is $W_{k,R} R_{K-1-k}$, split into heads `(H, d_h, K)`; kept while no gradient is taken and W_{k,R} (`weights_key`), clamp_len and autocast are unchanged."
         keep = not (torch.is_grad_enabled() or torch.compiler.is_compiling())   # (a compiled graph recomputes it: no Python state)
         dev = torch.device(device or self.r.weight.device)
         amp = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
-        key = (K, dev, self.clamp_len, amp, self.r.weight.data_ptr(), self.r.weight._version) if keep else None
+        key = (K, dev, self.clamp_len, amp) + weights_key(self.r.weight) if keep else None
         if keep and getattr(self, '_rel_cache', (None,))[0] == key: return self._rel_cache[1]
         R = _reversed_sinusoid(K, self.d_model, self.clamp_len, dev, self.r.weight.dtype)   # (K, d), shared: no parameter in it
         Q = self.r(R).view(K, self.n_heads, self.d_head).permute(1, 2, 0)  # (H, d_h, K)

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from .attention import weights_key
 
 # %% ../nbs/03_compression.ipynb #236d2512
 def check_divisible(n:int, # number of memories to compress (the window n_s, in the model)
@@ -114,7 +115,7 @@ class ConvCompressor(Compressor):
     def tap_major_weight(self) -> Tensor:
         "The weight as `(d, c*d)` with tap r of input i at r*d + i, the order of c memories stored one after another; kept while the weight is unchanged (no gradient)."
         w = self.conv.weight
-        key = (w.data_ptr(), w.device, w._version, w.dtype)            # an optimiser step or load_state_dict changes the version
+        key = weights_key(w) + (w.device, w.dtype)                     # an optimiser step or load_state_dict changes it
         if getattr(self, '_tap_major', (None,))[0] != key: self._tap_major = (key, w.detach().transpose(1, 2).reshape(w.shape[0], -1))
         return self._tap_major[1]
 

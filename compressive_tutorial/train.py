@@ -129,14 +129,8 @@ def make_adam(params, # the parameters (any iterable)
              ) -> torch.optim.Adam:
     "torch.optim.Adam with its fused kernel (one pass per tensor) where the parameters' device has one, else the plain loop."
     params = list(params)                                            # a generator could be read only once
-    try: opt = torch.optim.Adam(params, fused=True, **kw)
+    try: return torch.optim.Adam(params, fused=True, **kw)
     except RuntimeError: return torch.optim.Adam(params, **kw)       # no fused kernel here (e.g. PyTorch < 2.4 on the CPU)
-    opt.register_step_post_hook(_mark_updated)                      # the fused kernel writes the weights unseen by autograd
-    return opt
-
-def _mark_updated(opt:torch.optim.Optimizer, args, kwargs):
-    "After a step: count it as an in-place change of every parameter, as the looped Adam's updates are (what caches keyed on versions rely on)."
-    torch.autograd.graph.increment_version([p for g in opt.param_groups for p in g['params']])
 
 def load_optimizer_state(opt:torch.optim.Optimizer, # the optimiser to restore
                          state:dict # what `opt.state_dict()` gave, on this or another machine
@@ -445,7 +439,7 @@ class Trainer:
         norm = float(nn.utils.clip_grad_norm_(params, clip))
         if not math.isfinite(norm):                                          # before any step: the weights stay finite
             if self.scaler is None or self.scaler.get_scale() <= 1:          # not a scaled overflow: the run diverged
-                raise self._diverged(f'the gradient norm is {norm}' + (' even without loss scaling' if self.scaler else ''), self.step)
+                raise self._diverged(f'the gradient norm is {norm}' + (' even without loss scaling' if self.scaler else ''), self.step, self.n_updates)
             self.n_skipped += opt is self.opt                                # fp16 overflow: the scaler skips it, halves the scale
         return norm
 
@@ -456,17 +450,23 @@ class Trainer:
         else: opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def _diverged(self, what:str, step:int, rollback:bool=True) -> NonFiniteError:
-        "The error that stops a run diverged at iteration `step`; a checkpoint of the very weights that diverged is rolled back first, if it is this run's own `ckpt_dir/last.safetensors` (never a file it was resumed from elsewhere)."
+    def _diverged(self, what:str, step:int, updates:int, rollback:bool=True) -> NonFiniteError:
+        "The error that stops a run diverged at iteration `step`, with the weights of its `updates`-th update. Checkpoints that hold those very weights (written since that update) are rolled back first, if they are this run's own `ckpt_dir/last.safetensors` (never a file it was resumed from elsewhere) and the one kept before it."
         kept = "no checkpoint was written"
         if self.checkpoint is not None and self.rank != 0: kept = "rank 0 handles the checkpoint"
         elif self.checkpoint is not None:
             path, at = self.checkpoint
-            if rollback and at == step and self.ckpt_dir is not None and path == self.ckpt_dir/'last.safetensors':   # it holds the weights that just gave `what`
+            own = self.ckpt_dir is not None and path == self.ckpt_dir/'last.safetensors'
+            if rollback and own and load_checkpoint(path)[1]['n_updates'] == updates:   # resumed, it would give `what` again
                 prev = previous_checkpoint(path)
-                if prev.is_file():
-                    os.replace(prev, path); self.checkpoint = (path, load_checkpoint(path)[1]['step'])
-                    kept = f"the checkpoint of step {at:,} held these weights, so {path} is back to step {self.checkpoint[1]:,}"
+                before = load_checkpoint(prev)[1] if prev.is_file() else None
+                if before is not None and before['n_updates'] != updates:           # older weights: resume from there
+                    os.replace(prev, path); self.checkpoint = (path, before['step'])
+                    kept = f"the checkpoint of step {at:,} held these weights, so {path} is back to step {before['step']:,}"
+                elif before is not None:                                            # a §5.5.1 group checkpointed twice
+                    prev.unlink(); path.unlink(); self.checkpoint = None
+                    kept = (f"the checkpoints of steps {before['step']:,} and {at:,} held these weights (the same update) and were "
+                            "removed; no earlier one is kept")
                 else:
                     path.unlink(missing_ok=True); self.checkpoint = None
                     kept = f"the checkpoint of step {at:,} held these weights and was removed (there is none before it)"
@@ -515,9 +515,10 @@ class Trainer:
         stopping = None                                                     # the signal all ranks agreed on (never stop.signum itself)
         try:
             while self.step < steps and stopping is None:
+                updates = self.n_updates                                     # behind the weights this window uses
                 out = self.train_step(self._next_batch())
                 for k in ('loss', 'aux'):                                    # rule 3 (the gradients: in _clip)
-                    if out[k] is not None and not math.isfinite(out[k]): raise self._diverged(f"the {k} is {out[k]}", self.step - 1)
+                    if out[k] is not None and not math.isfinite(out[k]): raise self._diverged(f"the {k} is {out[k]}", self.step - 1, updates)
                 self._accumulate(out)
                 due = self.ckpt_dir is not None and self._checkpoint_due()
                 stopping, due = self._agree(stop.signum, due)                # a signal arriving from here on waits for the next agreement
@@ -589,7 +590,7 @@ class Trainer:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True); path = self.ckpt_dir/'last.safetensors'
         bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
         if bad: raise self._diverged(f"the weights are not finite ({bad[0]}{' and more' if len(bad) > 1 else ''}); not saved", self.step,
-                                     rollback=False)                     # the checkpoints were finite when written: keep them
+                                     self.n_updates, rollback=False)                     # the checkpoints were finite when written: keep them
         tensors, meta = self.state_dict()                                         # (DDP: gathers every rank's memories)
         if self.rank == 0: path = save_checkpoint(path, tensors, meta, on_chunk=on_chunk, keep_previous=True)
         self.checkpoint, self._saved_at = (Path(path), self.step), self._clock()

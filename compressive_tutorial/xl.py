@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .attention import RelativeMultiHeadAttention, AttnResult, ATTN_IMPLS
+from .attention import RelativeMultiHeadAttention, AttnResult, ATTN_IMPLS, weights_key
 
 # %% ../nbs/02_transformer_xl.ipynb #12ed011e
 @dataclass
@@ -57,7 +57,7 @@ class KVCache:
     "Keys and values a layer projected from its memory slots, in pieces along the slots; valid only while those weights are unchanged."
     ks:tuple     # ((B, H, M_i, d_h), ...) the slots' keys, oldest first, in pieces (views of what attention read): sum M_i = M
     vs:tuple     # the slots' values, in pieces of the same lengths
-    tag:tuple    # `XLLayer.kv_tag()` when they were projected: (storage, in-place version) of each weight used
+    tag:tuple    # `XLLayer.kv_tag()` when they were projected: `weights_key` of the weights used, and the autocast dtype
 
     @property
     def length(self) -> int: return sum(k.shape[2] for k in self.ks)
@@ -156,11 +156,11 @@ class XLLayer(nn.Module):
         return self.attn.project_kv(self.ln1(x) if self.pre_ln else x)
 
     def kv_tag(self) -> tuple:
-        "Identity of the weights behind `project_memory` ((storage, in-place version) each: an optimiser step or `load_state_dict` changes it, a write through `p.data` does not), and the autocast dtype keys are made in."
+        "Identity of the weights behind `project_memory` (`weights_key`: any optimiser step or `load_state_dict` changes it, a write through `p.data` does not), and the autocast dtype keys are made in."
         ps = [self.attn.k.weight, self.attn.v.weight] + ([self.ln1.weight, self.ln1.bias] if self.pre_ln else [])
         dev = ps[0].device.type
         amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None   # keys cached in bf16 are not fp32 keys
-        return tuple((p.data_ptr(), p._version) for p in ps) + (amp,)
+        return weights_key(*ps) + (amp,)
 
     def forward(self,
                 h:Tensor, # (B, T, d) the layer's input for this window
