@@ -9,7 +9,7 @@ __all__ = ['ATTN_IMPLS', 'causal_mask', 'attention_mask', 'plot_mask', 'masked_a
            'reversed_sinusoid', 'RelativeMultiHeadAttention']
 
 # %% ../nbs/01_attention.ipynb #bf498ed4
-import functools, math
+import functools, itertools, math
 from typing import NamedTuple
 import torch
 import torch.nn as nn
@@ -340,12 +340,13 @@ def flex_reference(q:Tensor, # (B, H, T, d_h) queries, already scaled
                    v:Tensor, # (B, H, K, d_h) values
                    score_mod # FlexAttention's score_mod(score, b, h, i, j)
                   ) -> Tensor: # (B, H, T, d_h) softmax(score_mod(q k^T)) v
-    "What `flex_attention(q, k, v, score_mod=score_mod, scale=1.0)` computes, unfused: score_mod applied to the whole score grid at once (scores in fp32, as its kernels keep them)."
+    "What `flex_attention(q, k, v, score_mod=score_mod, scale=1.0)` computes, unfused: score_mod applied to the whole score grid at once (scores in fp32 or wider, as its kernels keep them)."
     (B, H, T, _), K = q.shape, k.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)                # fp32 for bf16/fp16/fp32 inputs; a float64 model stays float64
     idx = lambda n, *shape: torch.arange(n, device=q.device).view(*shape)
     with torch.autocast(q.device.type, enabled=False):
-        s = score_mod(q.float() @ k.float().transpose(-2, -1), idx(B, B, 1, 1, 1), idx(H, 1, H, 1, 1), idx(T, T, 1), idx(K, 1, K))
-        return (s.softmax(-1) @ v.float()).to(q.dtype)
+        s = score_mod(q.to(acc) @ k.to(acc).transpose(-2, -1), idx(B, B, 1, 1, 1), idx(H, 1, H, 1, 1), idx(T, T, 1), idx(K, 1, K))
+        return (s.softmax(-1).to(acc) @ v.to(acc)).to(q.dtype)
 
 @functools.cache
 def _flex_kernel(): return torch.compile(flex_attention)   # for eager callers: FlexAttention's kernels exist only compiled
@@ -370,9 +371,17 @@ _STEPS = [0]   # optimiser steps taken in this process, by any torch.optim.Optim
 def _count_step(opt, args, kwargs): _STEPS[0] += 1
 register_optimizer_step_post_hook(_count_step)                          # PyTorch calls it after every optimiser's step
 
+_UIDS = itertools.count(1)
+
+def _uid(p:Tensor) -> int:
+    "A number naming the tensor object `p` for the life of the process (an address is reused once a tensor is freed; this is not)."
+    u = getattr(p, '_weights_uid', None)
+    if u is None: u = p._weights_uid = next(_UIDS)
+    return u
+
 def weights_key(*ps:Tensor) -> tuple:
-    "Identity of weights, for a value computed from them and kept: each one's storage and in-place version, and the optimiser steps taken in this process (a fused step leaves the versions as they were)."
-    return tuple((p.data_ptr(), p._version) for p in ps) + (_STEPS[0],)
+    "Identity of weights, for a value computed from them and kept: each one's object, storage and in-place version, and the optimiser steps taken in this process (a fused step leaves the versions as they were)."
+    return tuple((_uid(p), p.data_ptr(), p._version) for p in ps) + (_STEPS[0],)
 
 # %% ../nbs/01_attention.ipynb #0e1658c3
 def reversed_sinusoid(K:int, # keys: distances K-1 .. 0

@@ -161,6 +161,12 @@ def save_checkpoint(path, # the checkpoint, e.g. `runs/x/last.safetensors`
         with contextlib.suppress(OSError): old.unlink()                           # leftovers of killed writes
     return path
 
+def _kept(path:Path) -> str:
+    "The way back to the checkpoint that `path` replaced, if it is kept (for an error message)."
+    prev = previous_checkpoint(path)
+    return (f"; the checkpoint it replaced is kept: cp {shlex.quote(str(prev))} {shlex.quote(str(path))} goes back to it"
+            if prev.is_file() and prev.name != path.name else '')
+
 def load_checkpoint(path # a file written by `save_checkpoint`
                    ) -> tuple: # ({name: tensor on CPU}, meta dict)
     "Read a checkpoint without unpickling anything; another kind of file, or one whose checksum fails, is refused."
@@ -171,17 +177,17 @@ def load_checkpoint(path # a file written by `save_checkpoint`
             md = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
-        raise CheckpointError(f"{path} is damaged or not a safetensors checkpoint ({e}). Refusing to load it: pickled files "
-                              "(torch.save) can run code when loaded, so they are never accepted.") from None
+        with open(path, 'rb') as f: head = f.read(4)
+        if head[:2] == b'PK' or head[:1] == b'\x80':                          # torch.save's zip, or a bare pickle
+            raise CheckpointError(f"{path} is a pickled file (torch.save), not a safetensors checkpoint. Refusing to load it: "
+                                  "pickled files can run code when loaded, so they are never accepted.") from None
+        raise CheckpointError(f"{path} is damaged or not a safetensors checkpoint ({e}), so it is not loaded{_kept(path)}") from None
     if md.get('format') != CKPT_FORMAT:
         raise CheckpointError(f"{path} is a safetensors file but not a checkpoint of this trainer (format {md.get('format')!r}, "
                               f"expected {CKPT_FORMAT!r}).")
     if checksum(tensors, md['meta']) != md.get('sha256'):
-        prev = previous_checkpoint(path)
-        back = (f"; the checkpoint it replaced is kept: cp {shlex.quote(str(prev))} {shlex.quote(str(path))} goes back to it"
-                if prev.is_file() and prev.name != path.name else '')
         raise CheckpointError(f"{path} is damaged: its content does not match the checksum written with it, so it is not "
-                              f"loaded{back}")
+                              f"loaded{_kept(path)}")
     return tensors, json.loads(md['meta'])
 
 # %% ../nbs/90_appendix_checkpoints.ipynb #rb-id

@@ -379,6 +379,10 @@ def _loader(corpus:Corpus, split:str, batch_size:int, n_s:int,
         raise ConfigError(f"the {split} split ({len(corpus):,} bytes) is too short for {what}={batch_size} streams of "
                           f"n_s={n_s} bytes ({e}); {fix or 'lower them with --set'}, or use a longer text") from None
 
+def _windows_read(limit:int|None, loader) -> str:
+    "What an evaluation limited to `limit` windows of `loader` read, in words: 'the whole split' when the limit covers it."
+    return 'the whole split' if limit is None or limit >= len(loader) else f'the first {limit} windows'
+
 def _say(*args):
     "Print a line of the command's report (under torchrun: rank 0 alone speaks)."
     if dist_rank_world()[0] == 0: print(*args, flush=True)
@@ -401,7 +405,9 @@ def run_from_args(args) -> Run:
         if args.preset or args.sets:
             raise ConfigError("a resumed run keeps the config it started with: drop --preset/--set (only --steps and --device may change)")
         run = Run.load(out)
-        if args.device: run.run = dataclasses.replace(run.run, device=args.device)   # another machine: a device it has
+        if args.device:                                                  # another machine: a device it has
+            try: run.run = dataclasses.replace(run.run, device=args.device)
+            except ValueError as e: raise ConfigError(f"--device {args.device}: {e}") from None
         if args.model not in (None, run.kind): raise ConfigError(f"--model {args.model}: the run in {_q(out)} is a {run.kind} model")
         if args.corpus is not None and corpus_spec(args.corpus) != run.corpus:
             raise ConfigError(f"{_q(out)} was trained on {_q(run.corpus)}, not {_q(corpus_spec(args.corpus))}: drop CORPUS or pass the same one")
@@ -411,7 +417,9 @@ def run_from_args(args) -> Run:
             if args.steps < step:
                 raise ConfigError(f"--steps {args.steps:,}: the run in {_q(out)} is already at step {step:,}; pass a larger total, "
                                   f"or drop --steps to finish its {run.run.steps:,}")
-            old, run.train = run.train, TrainConfig(**stretch_schedule(asdict(run.train), run.run.steps, args.steps, run.fixed))
+            fresh = build_configs(run.kind, run.preset, steps=args.steps)[1]   # the schedule a new run of --steps gets (the preset's,
+            old = run.train                                                       # stretched once: no rounding piles up over resumes)
+            run.train = dataclasses.replace(old, **{k: getattr(fresh, k) for k in SCHEDULE if k not in run.fixed})
             moved = ', '.join(f"{k} {getattr(old, k):,} -> {getattr(run.train, k):,}" for k in SCHEDULE if getattr(old, k) != getattr(run.train, k))
             _say(f"ct train: --steps {args.steps:,} stretches the schedule made for {run.run.steps:,} steps ({moved or 'nothing moves'}); "
                  f"the learning rate at step {step:,} goes from {lr_at(step, old):.3g} to {lr_at(step, run.train):.3g}")
@@ -466,20 +474,21 @@ def train_run(run:Run, # the run: its folder and configs (`run_from_args`)
     ev = run.train.eval_every                                                          # 3. train, stopping at evaluations
     if trainer.step >= R.steps: _say(f"  the run is already at step {trainer.step:,}: nothing to train (raise --steps to continue)")
     while trainer.step < R.steps:
-        trainer.fit(R.steps if not ev else min(R.steps, (trainer.step // ev + 1) * ev))
+        trainer.fit(R.steps if not ev else min(R.steps, (trainer.step // ev + 1) * ev), bar_total=R.steps)
         row = trainer.history[-1] if trainer.history else {}
         if row.get('step') == trainer.step and 'valid_bpb' in row:
-            _say(f"  step {trainer.step:,}: valid bits per byte {row['valid_bpb']:.4f} (first {run.train.eval_batches or 'all'} windows)")
+            _say(f"  step {trainer.step:,}: valid bits per byte {row['valid_bpb']:.4f} ({_windows_read(run.train.eval_batches, valid_dl)})")
     train_rows = [h for h in trainer.history if 'bpb' in h]
     res = _finite(trainer.evaluate(max_batches=R.valid_batches), 'the trained model')  # 4. the final validation
     wall = time.perf_counter() - t0
     valid = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in res.items()}   # ppl may overflow: null
+    span = [train_rows[-1]['step'] - run.train.log_every + 1, train_rows[-1]['step']] if train_rows else None   # the last row's iterations
     results = json.dumps(dict(step=trainer.step, valid=valid, valid_batches=R.valid_batches, wall_s=wall,
-                              train_bpb=train_rows[-1]['bpb'] if train_rows else None), indent=1, allow_nan=False)
+                              train_bpb=train_rows[-1]['bpb'] if train_rows else None, train_bpb_steps=span), indent=1, allow_nan=False)
     if trainer.rank == 0: tmp = out/'.results.json.tmp'; tmp.write_text(results + '\n'); tmp.replace(out/'results.json')
-    if train_rows: _say(f"  train bits per byte {train_rows[-1]['bpb']:.4f} (the last {run.train.log_every} steps)")
-    part = 'the whole split' if R.valid_batches is None else \
-           f"the first {R.valid_batches} windows; the whole split: ct eval {_q(out)}" + (f" --cache {_q(cache)}" if cache else '')
+    if train_rows: _say(f"  train bits per byte {train_rows[-1]['bpb']:.4f} (steps {span[0]:,}-{span[1]:,} of {trainer.step:,})")
+    part = _windows_read(R.valid_batches, valid_dl)
+    if part != 'the whole split': part += f"; the whole split: ct eval {_q(out)}" + (f" --cache {_q(cache)}" if cache else '')
     _say(f"valid bits per byte: {res['bpb']:.4f} ({res['tokens']:,} bytes: {part})")
     _say(f"done in {wall:.1f} s; checkpoint {_q(run.checkpoint)}")
     return res
@@ -546,7 +555,7 @@ def eval_command(args, download=download_file) -> int:
     with _threads(run.run.threads): res = _finite(evaluate(model, loader, mem_len=args.n_m, max_batches=args.batches, precision=run.train.precision, **kw), f"the model of {_q(run.path)}")
     mem = f"n_m={run.model.n_m if args.n_m is None else args.n_m}"
     if run.kind == 'ct': mem += f", n_cm={run.model.n_cm if args.n_cm is None else args.n_cm}"
-    part = 'the whole split' if args.batches is None else f'the first {args.batches} windows'
+    part = _windows_read(args.batches, loader)
     _say(f"ct eval: {_q(run.path)} at step {step:,} ({MODEL_KINDS[run.kind].name}, {mem}), {B} streams, {part}, {time.perf_counter() - t0:.1f} s")
     _say(f"  loss {res['loss']:.4f} nats per byte, perplexity {res['ppl']:.3f}, {res['tokens']:,} bytes")
     _say(f"{args.split} bits per byte: {res['bpb']:.4f}")

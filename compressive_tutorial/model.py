@@ -226,6 +226,7 @@ def layer_compression_loss(layer:XLLayer, # the layer whose memories were compre
 # %% ../nbs/05_compressive_transformer.ipynb #fea5904c
 class CompressiveTransformer(TransformerXL):
     "Transformer-XL whose layers also attend over a compressed memory, filled by each layer's f_c (Algorithm 1)."
+    state_class = CTState
     def __init__(self, cfg:CTConfig):
         if not isinstance(cfg, CTConfig): raise TypeError(f"cfg must be a CTConfig, got {type(cfg).__name__}: use CTConfig(...).")
         super().__init__(cfg)                        # emb, layers, ln_f, head: the same modules and names as TransformerXL
@@ -284,9 +285,10 @@ class CompressiveTransformer(TransformerXL):
         n_m = self._check_len('n_m', self.n_m if n_m is None else n_m)
         n_cm = self._check_len('n_cm', self.n_cm if n_cm is None else n_cm)
         state, T, n_s, L = self._check_state(state, x), x.shape[1], self.cfg.n_s, len(self.layers)
-        if self.compression_loss.keeps_graph and T <= n_s and self.training and torch.is_grad_enabled():
+        if self.compression_loss.keeps_graph and state.open_steps + T <= n_s and self.training and torch.is_grad_enabled():
             warnings.warn(f"compression_loss='bptt' trains f_c only through a later window of the same call: pass "
-                          f"T > n_s tokens (the paper unrolls 2 * n_s = {2 * n_s}); with T={T} f_c gets no gradient.")
+                          f"calls that run past their first window (the paper unrolls 2 * n_s = {2 * n_s} tokens); with T={T} "
+                          f"after {state.open_steps} steps of the window, f_c gets no gradient.")
         need_probs = self.record_attention or self.track_usage
         if self.record_attention: self.attention_records = [None] * L
         auxes = [[] for _ in range(L)]                                           # per layer, one entry per window

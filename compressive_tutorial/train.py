@@ -66,18 +66,22 @@ class TrainConfig:
             v = getattr(self, name)
             if (v is not None or name != 'eval_batches') and (isinstance(v, bool) or not isinstance(v, int)):
                 raise TypeError(f"TrainConfig.{name}={v!r} must be an int (a number of iterations/windows).")
+        for name in ('lr_min', 'lr_max', 'eps', 'compression_lr_scale', 'weight_decay', 'clip_norm', 'ckpt_minutes'):
+            v = getattr(self, name)                                      # (a YAML or JSON config may hold '1e-3', a string)
+            if (v is not None or name != 'clip_norm') and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise TypeError(f"TrainConfig.{name}={v!r} must be a number, not {type(v).__name__}.")
         for name in ('lr_min', 'lr_max', 'eps', 'compression_lr_scale', 'weight_decay'):
             if not math.isfinite(getattr(self, name)): raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be a finite number.")
         for name in ('lr_min', 'lr_max', 'eps', 'compression_lr_scale', 'decay_steps', 'update_every', 'log_every', 'clip_norm', 'eval_batches'):
             v = getattr(self, name)
             if v is not None and not v > 0: raise ValueError(f"TrainConfig.{name}={v!r} must be > 0.")
         for name in ('warmup_steps', 'update_every_after', 'weight_decay', 'eval_every', 'ckpt_every', 'ckpt_minutes'):
-            if getattr(self, name) < 0: raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be >= 0 (0 turns it off).")
+            if not getattr(self, name) >= 0: raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be >= 0 (0 turns it off).")   # (NaN too)
         if self.lr_min > self.lr_max:
             raise ValueError(f"TrainConfig.lr_min={self.lr_min} > lr_max={self.lr_max}: the warmup must rise; lower lr_min or raise lr_max.")
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig.precision={self.precision!r} is unknown: use one of {PRECISIONS} ('auto' chooses by device).")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas):
             raise ValueError(f"TrainConfig.betas={self.betas} must be two numbers in [0, 1), e.g. (0.9, 0.999).")
 
 # %% ../nbs/06_training.ipynb #6fdb6851
@@ -197,6 +201,8 @@ def evaluate(model:nn.Module, # a model of the package's interface
              **forward_kwargs # other evaluation-time overrides passed to every forward call
             ) -> dict: # loss (nats/token), bpb, ppl, tokens, nats, and word_ppl when n_words is given
     "Mean loss, bits per byte and perplexity (and word-level perplexity) of `model` over `loader`."
+    if max_batches is not None and not max_batches >= 1:
+        raise ValueError(f"evaluate: max_batches={max_batches!r} must be >= 1 (None: the whole loader)")
     if mem_len is not None: forward_kwargs['n_m'] = mem_len
     params = inspect.signature(model.forward).parameters
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
@@ -344,8 +350,8 @@ class Trainer:
 
     @staticmethod
     def _new_acc() -> dict:
-        "Sums of one history row: nats, tokens; aux loss and per-layer aux losses with their counts; fp16 skipped updates."
-        return dict(nats=0.0, tokens=0, aux=0.0, n_aux=0, layers=[], n_layers=[], skipped=0)
+        "Sums of one history row: nats, tokens, seconds in `fit`; aux loss and per-layer aux losses with their counts; fp16 skipped updates."
+        return dict(nats=0.0, tokens=0, seconds=0.0, aux=0.0, n_aux=0, layers=[], n_layers=[], skipped=0)
 
     def _next_batch(self):
         "The next window of the training stream; a new pass starts at window 0 when the loader is exhausted."
@@ -356,6 +362,9 @@ class Trainer:
         while True:
             n = 0
             for batch in _iter_from(self.train_loader, self.window): n += 1; yield batch
+            if n == 0 and self.window == 0 and self.epoch > 0:
+                raise ValueError(f"train_loader yielded no windows on pass {self.epoch + 1}, after a first pass that had them: it can "
+                                 "be read only once (a generator?). Pass a loader that can be iterated again, e.g. StreamLoader")
             if n == 0 and self.window == 0: raise ValueError("train_loader yielded no windows; give it at least one")
             self.epoch, self.window = self.epoch + 1, 0
 
@@ -480,14 +489,15 @@ class Trainer:
         return (bool(cfg.ckpt_every) and self.step % cfg.ckpt_every == 0) or \
                (bool(cfg.ckpt_minutes) and self._clock() - self._saved_at >= 60 * cfg.ckpt_minutes)
 
-    def fit(self, steps:int # train until this many iterations in total (a resumed trainer continues from its step)
+    def fit(self, steps:int, # train until this many iterations in total (a resumed trainer continues from its step)
+            bar_total:int|None=None # the progress bar's total (None: `steps`), e.g. the run's length when `fit` is called in pieces
            ) -> list: # the history
         "Train until `self.step == steps`: log, evaluate and checkpoint as the config says; stop safely on a signal or a NaN."
         cfg = self.cfg
         if steps < self.step: raise ValueError(f"fit(steps={steps}): the trainer is already at step {self.step}; pass a larger total")
         with contextlib.ExitStack() as held:
             self._lock(held)                                                    # rule 4 (rank 0 only)
-            self._fit(steps, held.enter_context(StopSignals()))                 # rule 2
+            self._fit(steps, held.enter_context(StopSignals()), bar_total or steps)   # rule 2
         return self.history
 
     def _lock(self, held:contextlib.ExitStack):
@@ -506,12 +516,12 @@ class Trainer:
         s, d = all_sum([signum or 0, due], self.device, dist.ReduceOp.MAX)
         return (int(s) or None), bool(d)
 
-    def _fit(self, steps:int, stop:StopSignals):
+    def _fit(self, steps:int, stop:StopSignals, bar_total:int):
         "The loop of `fit`, inside the folder lock and the signal handlers."
         cfg = self.cfg
-        bar = tqdm(total=steps, initial=self.step, disable=not cfg.progress or self.rank != 0, mininterval=1, ncols=100)
-        t0, self._saved_at = time.perf_counter(), self._clock()
-        self._mark = time.perf_counter()                                    # train_s counts from here (see _tick)
+        bar = tqdm(total=bar_total, initial=self.step, disable=not cfg.progress or self.rank != 0, mininterval=1, ncols=100)
+        self._saved_at = self._clock()
+        self._mark = time.perf_counter()                                    # train_s and the row's seconds count from here (_tick)
         stopping = None                                                     # the signal all ranks agreed on (never stop.signum itself)
         try:
             while self.step < steps and stopping is None:
@@ -523,9 +533,8 @@ class Trainer:
                 due = self.ckpt_dir is not None and self._checkpoint_due()
                 stopping, due = self._agree(stop.signum, due)                # a signal arriving from here on waits for the next agreement
                 if self.step % cfg.log_every == 0:
-                    dt, t0 = time.perf_counter() - t0, time.perf_counter()
-                    a = self._acc
-                    row = dict(step=self.step, loss=a['nats'] / max(a['tokens'], 1), lr=lr_at(self.step - 1, cfg), tok_s=a['tokens'] / dt)
+                    self._tick(); a = self._acc                              # the row's seconds, over every `fit` call it spans
+                    row = dict(step=self.step, loss=a['nats'] / max(a['tokens'], 1), lr=lr_at(self.step - 1, cfg), tok_s=a['tokens'] / a['seconds'])
                     row['bpb'] = bits_per_byte(row['loss'])
                     if a['n_aux']: row['aux'] = a['aux'] / a['n_aux']                       # mean over iterations that had one
                     if any(a['n_layers']): row['aux_layers'] = [t / n if n else None for t, n in zip(a['layers'], a['n_layers'])]
@@ -548,8 +557,9 @@ class Trainer:
             raise TrainingInterrupted(stopping, self.step, None if self.ckpt_dir is None else self.checkpoint[0])
 
     def _tick(self):
-        "Add the seconds since the last tick to `train_s`: a checkpoint holds the training time up to itself, whatever the sessions."
-        now = time.perf_counter(); self.train_s += now - self._mark; self._mark = now
+        "Add the seconds since the last tick to `train_s` and to the current history row: a checkpoint holds the training time up to itself, whatever the sessions."
+        now = time.perf_counter(); dt, self._mark = now - self._mark, now
+        self.train_s += dt; self._acc['seconds'] = self._acc.get('seconds', 0.0) + dt   # (older checkpoints' rows have no seconds)
 
     def evaluate(self, loader=None, # windows to evaluate (None: the valid loader)
                  mem_len:int|None=None, # evaluation memory length (passed to forward as `n_m`)

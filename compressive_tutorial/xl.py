@@ -9,7 +9,7 @@ __all__ = ['XLConfig', 'KVCache', 'Memory', 'empty_memory', 'fifo_push', 'memory
 
 # %% ../nbs/02_transformer_xl.ipynb #eaf3bd7e
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, replace, fields, is_dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,12 +39,13 @@ class XLConfig:
             val = getattr(self, name)
             if not isinstance(val, int) or val < 1: raise ValueError(f"{name}={val!r} must be a positive int.")
         if not isinstance(self.n_m, int) or self.n_m < 0: raise ValueError(f"n_m={self.n_m!r} must be an int >= 0 (0 = no memory).")
+        m = math.lcm(2, self.n_heads)                                    # d_model must be even and split into n_heads
+        fit = m * math.ceil(self.d_model / m)                             # the nearest d_model above that satisfies both
         if self.d_model % self.n_heads:
             divs = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 16]
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: set d_model to a multiple of "
-                             f"n_heads (e.g. {self.n_heads * math.ceil(self.d_model / self.n_heads)}) or n_heads to a divisor "
-                             f"of d_model (e.g. {divs[-3:]}).")
-        if self.d_model % 2: raise ValueError(f"d_model={self.d_model} must be even (the sinusoidal R has sin/cos pairs): use {self.d_model + 1}.")
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: set d_model to an even multiple "
+                             f"of n_heads (e.g. {fit}) or n_heads to a divisor of d_model (e.g. {divs[-3:]}).")
+        if self.d_model % 2: raise ValueError(f"d_model={self.d_model} must be even (the sinusoidal R has sin/cos pairs): use {fit}.")
         if self.clamp_len is not None and (not isinstance(self.clamp_len, int) or self.clamp_len < 0):
             raise ValueError(f"clamp_len={self.clamp_len!r} must be None or an int >= 0.")
         for name in ('dropout', 'dropatt'):
@@ -216,12 +217,21 @@ def lm_loss(logits:Tensor, # (B, T, V)
             targets:Tensor # (B, T) long, -100 = no target
            ) -> Tensor: # scalar: mean cross-entropy (nats) over targets != -100; 0 if there are none
     "Mean next-token cross-entropy over the real targets (never NaN: an all-padding batch gives 0)."
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction='sum')
+    lg = logits.flatten(0, 1)
+    ce = F.cross_entropy(lg if lg.dtype == torch.float64 else lg.float(), targets.flatten(), ignore_index=-100, reduction='sum')   # bf16/fp16 up to fp32
     return ce / (targets != -100).sum().clamp(min=1)
 
 # %% ../nbs/02_transformer_xl.ipynb #cc515bf1
+def _outside_inference(obj):
+    "A copy of a state (dataclasses, lists, tuples of tensors) whose tensors made under `torch.inference_mode` are ordinary ones."
+    if isinstance(obj, Tensor): return obj.clone() if obj.is_inference() else obj
+    if is_dataclass(obj): return replace(obj, **{f.name: _outside_inference(getattr(obj, f.name)) for f in fields(obj)})
+    if isinstance(obj, (list, tuple)): return type(obj)(_outside_inference(o) for o in obj)
+    return obj
+
 class TransformerXL(nn.Module):
     "Transformer-XL language model: embedding, `n_layers` XLLayers with per-layer memory, projection to the vocabulary."
+    state_class = XLState   # what it carries between calls (a subclass's model sets its own)
     def __init__(self, cfg:XLConfig):
         super().__init__()
         self.cfg, self.n_m = cfg, cfg.n_m   # n_m: runtime memory length; set model.n_m to evaluate with another one
@@ -262,7 +272,11 @@ class TransformerXL(nn.Module):
 
     def _lm(self, tokens:Tensor, targets:Tensor|None, **kw) -> tuple:
         "Token embedding, `self.hidden(x, **kw)`, projection to the vocabulary and loss: (logits (B, T, V), loss, state)."
-        h, state = self.hidden(self.drop(self.emb(tokens) * self.emb_scale), **kw)   # (B, T, d)
+        try: e = self.emb(tokens)
+        except IndexError:                                                          # (on CUDA a device-side assert instead)
+            raise IndexError(f"tokens must be ids in [0, vocab_size={self.cfg.vocab_size}), got values from {int(tokens.min())} "
+                             f"to {int(tokens.max())}: check the tokenizer against XLConfig.vocab_size.") from None
+        h, state = self.hidden(self.drop(e * self.emb_scale), **kw)                # (B, T, d)
         logits = self.head(self.drop(h))                                            # (B, T, V)
         return logits, (None if targets is None else lm_loss(logits, targets)), state   # loss: mean over every target
 
@@ -285,6 +299,9 @@ class TransformerXL(nn.Module):
         if tokens.dim() != 2 or tokens.dtype != torch.long:
             raise TypeError(f"tokens must be a (B, T) LongTensor, got {tuple(tokens.shape)} {tokens.dtype}: use tokens.long() / add a batch dim.")
         B, T = tokens.shape
+        if T < 1: raise ValueError(f"tokens has no steps ({tuple(tokens.shape)}): pass at least one token per stream.")
+        if targets is not None and targets.dtype != torch.long:
+            raise TypeError(f"targets must be a LongTensor (-100 where there is none), got {targets.dtype}: use targets.long().")
         if reset is not None and reset.shape != (B,):
             raise ValueError(f"reset must be a (B,) = ({B},) bool tensor, got shape {tuple(reset.shape)}.")
         if targets is not None and targets.shape != tokens.shape:
@@ -312,6 +329,9 @@ class TransformerXL(nn.Module):
         "The state to start from: `init_state` for None; a clear error if it does not fit; an open window added if missing."
         B = x.shape[0]
         if state is None: return self.init_state(B, x.device)
+        if not isinstance(state, self.state_class):
+            raise TypeError(f"state is a {type(state).__name__}, but this model carries a {self.state_class.__name__}: it was made by "
+                            f"another kind of model; pass state=None or model.init_state({B}).")
         if state.batch_size != B or len(state.memories) != len(self.layers):
             raise ValueError(f"state holds {len(state.memories)} layers x batch {state.batch_size} but the model has "
                              f"{len(self.layers)} layers and tokens batch {B}: pass state=None or model.init_state({B}).")
@@ -319,6 +339,11 @@ class TransformerXL(nn.Module):
         if state.memories[0].mem.dtype != dt:                                  # e.g. model.double() between two calls
             raise ValueError(f"state holds {state.memories[0].mem.dtype} memories but the model's weights are {dt}: start "
                              f"from model.init_state({B}) after changing the model's dtype (or change it back).")
+        if state.memories[0].mem.shape[-1] != self.cfg.d_model:
+            raise ValueError(f"state holds memories of width {state.memories[0].mem.shape[-1]} but the model's d_model is "
+                             f"{self.cfg.d_model}: it was made by another model; pass state=None or model.init_state({B}).")
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and state.memories[0].mem.is_inference():
+            state = _outside_inference(state)                              # made under inference_mode: autograd may not save those
         if state.window is None: state = replace(state, window=self._empty(B, x.device))    # a state made without one
         if state.open_steps >= self.cfg.n_s:
             raise ValueError(f"state has an open window of {state.open_steps} steps but n_s={self.cfg.n_s}: it was made by another model.")

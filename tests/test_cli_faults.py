@@ -175,11 +175,11 @@ def test_damaged_tensor_data_is_refused_and_not_overwritten(capsys, trained, tmp
 
 # ------------------------------------------------------------------------------------------------- resume semantics
 def test_resume_with_more_steps_stretches_the_schedule(capsys, corpus, trained, tmp_path):
-    run = copy_run(trained, tmp_path/'stretched')
-    code, out, err = ct(capsys, 'train', '--out', run, '--resume', '--steps', 12)
+    run = copy_run(trained, tmp_path/'stretched')            # made for 6 steps: its warmup rounds to 0; a new 30-step run's is 1
+    code, out, err = ct(capsys, 'train', '--out', run, '--resume', '--steps', 30)
     assert code == 0, err
-    fresh = tmp_path/'fresh12'
-    assert ct(capsys, 'train', corpus, '--out', fresh, '--steps', 12, *TINY)[0] == 0
+    fresh = tmp_path/'fresh30'
+    assert ct(capsys, 'train', corpus, '--out', fresh, '--steps', 30, *TINY)[0] == 0
     got, want = (json.loads((p/'config.json').read_text())['train'] for p in (run, fresh))
     for k in ('warmup_steps', 'decay_steps', 'update_every_after'): assert got[k] == want[k], (k, got[k], want[k])
     one_line_error(*ct(capsys, 'train', '--out', run, '--resume', '--steps', 3)[::2], status=2)   # fewer than done
