@@ -13,7 +13,7 @@ __all__ = ['IGNORE_INDEX', 'ENWIK8_URL', 'ENWIK8_SIZE', 'ENWIK8_MD5', 'SPLITS', 
            'sha256_file', 'verify_sha256', 'extract_deb', 'fetch_books', 'books_folder']
 
 # %% ../nbs/00_data.ipynb #dd36864d
-import codecs, csv, hashlib, io, math, os, re, urllib.request, warnings, zipfile
+import codecs, csv, hashlib, io, math, os, re, urllib.request, warnings, zipfile, zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -217,8 +217,13 @@ def _extract_checked(zpath:Path, member:str, dest:Path, size:int, md5:str, what:
         if member not in zf.namelist():
             raise ValueError(f'{zpath} holds {zf.namelist()[:5]}, not {member!r}: it is not the {what} zip')
         part = dest.with_name(dest.name + '.part')
-        with zf.open(member) as src, open(part, 'wb') as out:
-            while b := src.read(1 << 22): out.write(b)
+        try:
+            with zf.open(member) as src, open(part, 'wb') as out:
+                while b := src.read(1 << 22): out.write(b)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as e:            # a damaged member: bad data or CRC
+            part.unlink(missing_ok=True)
+            raise ValueError(f'{zpath} is damaged ({type(e).__name__}: {e}). Delete it and call again: it will be downloaded '
+                             'again (or put a good copy there by hand).') from None
     try: verify_file(part, size, md5, what=f'{what} (extracted from {zpath.name})')
     except ValueError as e:
         part.unlink(missing_ok=True)
@@ -256,8 +261,8 @@ def load_enwik8(folder=None, # where the files are cached; None: `data_cache_dir
                 download:Callable=download_file, # see `get_enwik8`
                ) -> dict:
     "Enwik8 as byte-level `Corpus` splits {'train', 'valid', 'test'}: 90M/5M/5M by default."
-    if n_valid < 0 or n_test < 0 or n_valid + n_test >= size:
-        raise ValueError(f'n_valid={n_valid} and n_test={n_test} must be >= 0 and leave training bytes out of {size:,}')
+    if n_valid < 1 or n_test < 1 or n_valid + n_test >= size:
+        raise ValueError(f'n_valid={n_valid} and n_test={n_test} must be >= 1 and leave training bytes out of {size:,}')
     data = np.fromfile(get_enwik8(folder, url=url, size=size, md5=md5, download=download), dtype=np.uint8)
     n_train = len(data) - n_valid - n_test
     parts = dict(train=data[:n_train], valid=data[n_train:n_train + n_valid], test=data[n_train + n_valid:])
@@ -318,19 +323,23 @@ def hash_split(names:list, # file names
     "A deterministic split by book, each name on its own: its md5 read as a number u in [0, 1) puts it in test (u < test_frac), valid (u < test_frac + valid_frac) or train, so adding or removing books moves no other book."
     if not (0 <= valid_frac and 0 <= test_frac and valid_frac + test_frac < 1):
         raise ValueError(f"valid_frac={valid_frac}, test_frac={test_frac}: each must be >= 0 and their sum below 1")
-    u = {n: int(hashlib.md5(n.encode('utf-8')).hexdigest(), 16) / 16 ** 32 for n in names}
+    u = {n: int(hashlib.md5(n.encode('utf-8', 'surrogateescape')).hexdigest(), 16) / 16 ** 32 for n in names}   # (any file name)
     if len(u) < 3: return {n: 'train' for n in u}            # too few books to hold any out
     split = {n: 'test' if x < test_frac else 'valid' if x < test_frac + valid_frac else 'train' for n, x in u.items()}
-    for s, frac in (('test', test_frac), ('valid', valid_frac)):   # a small folder: no held-out split left empty (unless its fraction is 0)
-        train = sorted((x, n) for n, x in u.items() if split[n] == 'train')
-        if frac > 0 and s not in split.values() and len(train) > 1: split[train[0][1]] = s   # the train book nearest the held-out range
+    need = [s for s, frac in (('test', test_frac), ('valid', valid_frac), ('train', 1)) if frac > 0]   # in the order of u
+    for s in need:                                           # a small folder: no split left empty (a held-out one with fraction 0 is)
+        if s in split.values(): continue
+        books = {t: sorted((n for n in u if split[n] == t), key=u.get) for t in need}
+        donor = max((t for t in need if len(books[t]) > 1), key=lambda t: len(books[t]))   # one exists: 3+ books, 2 splits
+        split[books[donor][0] if need.index(s) < need.index(donor) else books[donor][-1]] = s   # its book nearest s's range
     return split
 
 def read_split_table(path, # a SOURCES.tsv-style file: a `file` column and a `split` or `suggested_split` column
                     ) -> dict: # file name -> 'train' | 'valid' | 'test'
     "Each file's split from a tab-separated table."
-    with open(path, newline='', encoding='utf-8') as f: rows = list(csv.DictReader(f, delimiter='\t'))
-    cols = rows[0].keys() if rows else []
+    with open(path, newline='', encoding='utf-8-sig') as f:                  # (-sig: a table saved by a spreadsheet starts with a BOM)
+        reader = csv.DictReader(f, delimiter='\t'); rows = list(reader)
+    cols = reader.fieldnames or []                                           # the header, even of a table with no rows
     col = next((c for c in ('split', 'suggested_split') if c in cols), None)
     if 'file' not in cols or col is None:
         raise ValueError(f"{path} needs a 'file' column and a 'split' (or 'suggested_split') column; it has {list(cols)}")
@@ -507,7 +516,8 @@ def word_perplexity(total_nats:float, # L: summed cross-entropy (natural log) ov
                    ) -> float:
     "PG-19 word-level perplexity exp(L / n_words) (paper §4.2)."
     if n_words <= 0: raise ValueError(f'n_words must be positive, got {n_words}')
-    return math.exp(total_nats / n_words)
+    try: return math.exp(total_nats / n_words)
+    except OverflowError: return math.inf                    # e.g. an untrained model on text with few, long words
 
 # %% ../nbs/00_data.ipynb #25dc45ae
 class Batch(NamedTuple):

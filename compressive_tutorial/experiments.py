@@ -21,7 +21,11 @@ def books_corpora(folder=None, # a folder of .txt books; None: the shared books 
                   tokenizer=None, # anything with `encode_array`; None: bytes (`ByteTokenizer`)
                  ) -> dict: # {'train': Corpus, 'valid': Corpus, 'test': Corpus}
     "The books corpus as one token `Corpus` per split, split by book."
-    return {k: encode_documents(v, tokenizer) for k, v in load_books(folder).items()}
+    books = load_books(folder)
+    empty = [k for k, v in books.items() if not v]
+    if empty: raise ValueError(f"{folder or 'the books folder'}: the {' and '.join(empty)} split got no book. A folder needs at least "
+                               "3 .txt books (then every split gets one), or a SOURCES.tsv that gives each book its split")
+    return {k: encode_documents(v, tokenizer) for k, v in books.items()}
 
 # %% ../nbs/09_books_char.ipynb #03d4ceab
 def equal_cost_pair(n:int, # the TXL memory; the CT gets n_m = n_cm = n/2
