@@ -7,12 +7,13 @@ __all__ = ['NONMATCH_ID', 'MINIGRID_ID', 'CORES', 'EPISODE_KEYS', 'NEUTRAL_FIELD
            'DelayedNonMatchEnv', 'DelayCurriculum', 'MiniGridMemory', 'make_minigrid_memory', 'make_envs',
            'VTraceReturns', 'vtrace', 'check_core_inputs', 'LSTMCore', 'FeedForwardCore', 'run_chunks', 'episode_ids',
            'per_episode_reference', 'check_core', 'episode_visibility', 'influence_mask', 'ObsEncoder', 'AgentOutput',
-           'Agent', 'TransformerXLCore', 'CompressiveCore', 'Rollout', 'PolicyLag', 'Actor', 'RLConfig', 'impala_loss',
-           'RLTrainer', 'evaluate_agent', 'run_one', 'run_experiment', 'success_matrix', 'plot_success_curves',
-           'plot_success_vs_delay', 'experiment_table', 'reach_by_offset', 'predicted_success', 'memory_plan']
+           'Agent', 'TransformerXLCore', 'CompressiveCore', 'Rollout', 'PolicyLag', 'check_agent_fits', 'Actor',
+           'RLConfig', 'impala_loss', 'RLTrainer', 'evaluate_agent', 'run_one', 'run_experiment', 'success_matrix',
+           'plot_success_curves', 'plot_success_vs_delay', 'experiment_table', 'reach_by_offset', 'predicted_success',
+           'memory_plan']
 
 # %% ../nbs/12_rl.ipynb #4640f7ac
-import contextlib, copy, json, math, multiprocessing, os, re, time
+import contextlib, copy, json, math, multiprocessing, numbers, os, re, time
 from collections import deque
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -207,8 +208,9 @@ def make_minigrid_memory(size:int=7, # the grid is size x size; odd, >= 7 (MiniG
     "MiniGrid's Memory task with a small view, wrapped by `MiniGridMemory`."
     try: from minigrid.envs import MemoryEnv
     except ImportError: raise ImportError("the MiniGrid Memory task needs the minigrid package: pip install minigrid") from None
-    if isinstance(size, bool) or not isinstance(size, int) or size < 7 or size % 2 == 0: raise ValueError(f"size={size!r} must be an odd int >= 7.")
-    if isinstance(view, bool) or not isinstance(view, int) or view < 3 or view % 2 == 0: raise ValueError(f"view={view!r} must be an odd int >= 3.")
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 7 or size % 2 == 0: raise ValueError(f"size={size!r} must be an odd int >= 7.")
+    if isinstance(view, bool) or not isinstance(view, numbers.Integral) or view < 3 or view % 2 == 0: raise ValueError(f"view={view!r} must be an odd int >= 3.")
+    size, view = int(size), int(view)                                  # (numpy integers too, e.g. from np.arange)
     return MiniGridMemory(MemoryEnv(size=size, random_length=random_length, max_steps=max_steps, agent_view_size=view), start_in_room)
 
 MINIGRID_ID = 'compressive_tutorial/MiniGridMemory-v0'
@@ -220,7 +222,8 @@ def make_envs(env_id:str, # a registered id: `NONMATCH_ID`, `MINIGRID_ID`, or an
               **kwargs # passed to every `gym.make(env_id, ...)`, e.g. d_min=1, d_max=8 or size=9
              ) -> SyncVectorEnv:
     "B copies of an environment stepped together; a finished episode restarts within the same step (SAME_STEP autoreset)."
-    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1: raise ValueError(f"num_envs={num_envs!r} must be a positive int.")
+    if isinstance(num_envs, bool) or not isinstance(num_envs, numbers.Integral) or num_envs < 1: raise ValueError(f"num_envs={num_envs!r} must be a positive int.")
+    num_envs = int(num_envs)
     envs = SyncVectorEnv([lambda: gym.make(env_id, **kwargs) for _ in range(num_envs)], autoreset_mode=AutoresetMode.SAME_STEP)
     space = envs.single_observation_space
     if not isinstance(space, spaces.MultiDiscrete) or len(space.shape) != 1:
@@ -309,8 +312,12 @@ class LSTMCore(nn.Module):
                 state:tuple # (h, c) from `init_state` or the previous call
                ) -> tuple: # (y (B, T, d_hidden), (h, c) detached)
         "Run the LSTM through T steps; a stream's state restarts from zero at each of its `first` steps."
-        check_core_inputs(x, first, self.d_in)
+        B = check_core_inputs(x, first, self.d_in)[0]
+        if state is None: state = self.init_state(B, x.device)
         h, c = state
+        if h.shape != (B, self.d_out) or c.shape != (B, self.d_out):
+            raise ValueError(f"state holds (h, c) of shapes {tuple(h.shape)}, {tuple(c.shape)} but the inputs have batch {B} and the core "
+                             f"width {self.d_out}: pass state=None or core.init_state({B}).")
         keep = (~first).to(x.dtype)[..., None]                # (B, T, 1): 0 at an episode's first step
         ys = []
         for t in range(x.shape[1]):
@@ -385,10 +392,12 @@ def check_core(core:nn.Module, # a core: `init_state(B, device)`, `forward(x, fi
     g = torch.Generator().manual_seed(seed)
     was_training = core.training; core.eval()
     try:
-        x = torch.randn(B, S, core.d_in, generator=g)
+        dtype = next(core.parameters()).dtype                               # (a float64 core gets float64 inputs)
+        x = torch.randn(B, S, core.d_in, generator=g, dtype=dtype)
         first = torch.rand(B, S, generator=g) < p_first
         first[:, 0] = True
-        first[0, chunk] = first[1, chunk + 1] = True                        # episode starts at and just after a call boundary
+        if chunk < S: first[0, chunk] = True                                # episode starts at and just after a call boundary
+        if B > 1 and chunk + 1 < S: first[1, chunk + 1] = True
         y, state = run_chunks(core, x, first)
         if y.shape != (B, S, core.d_out): raise AssertionError(f"output shape {tuple(y.shape)}, expected {(B, S, core.d_out)}")
         errs = {}
@@ -428,6 +437,7 @@ def episode_visibility(first:Tensor, # (S,) bool: one stream's episode starts; w
                        c:int=1 # compression rate (must divide n_s and n_m)
                       ) -> Tensor: # (S, S) bool: True where one layer's output at q may read input p
     "One layer's visibility with a per-step episode mask, by brute force: the XL/CT mask minus everything from another episode."
+    if first.dim() != 1 or first.dtype != torch.bool: raise ValueError(f"first must be a 1-D (S,) bool tensor, got {tuple(first.shape)} {first.dtype}.")
     S = first.shape[0]
     if n_cm and (n_s % c or n_m % c):
         raise ValueError(f"episode_visibility needs c to divide n_s and n_m (got n_s={n_s}, n_m={n_m}, c={c}): "
@@ -454,7 +464,7 @@ def influence_mask(core:nn.Module, # a one-layer core (for deeper cores the depe
     S, g = first.shape[0], torch.Generator().manual_seed(seed)
     was_training = core.training; core.eval()
     try:
-        x = torch.randn(1, S, core.d_in, generator=g)
+        x = torch.randn(1, S, core.d_in, generator=g, dtype=next(core.parameters()).dtype)
         y0 = run_chunks(core, x, first[None], chunk)[0][0]                       # (S, d_out)
         out = torch.zeros(S, S, dtype=torch.bool)
         for p in range(S):
@@ -617,6 +627,14 @@ class PolicyLag:
 
 EPISODE_KEYS = ('delay', 'd_max')   # what an environment's reset info may say of its episode (the non-matching task says both)
 
+def check_agent_fits(agent:Agent, envs:SyncVectorEnv):
+    "Raise a clear error if the agent's observation slots or action count differ from the environment's."
+    nvec, n = [int(v) for v in envs.single_observation_space.nvec], int(envs.single_action_space.n)
+    if agent.encoder.nvec.tolist() != nvec or agent.policy.out_features != n:
+        raise ValueError(f"the agent takes observations {agent.encoder.nvec.tolist()} and has {agent.policy.out_features} actions, but "
+                         f"the environment gives {nvec} and takes {n}: build it with "
+                         "Agent(envs.single_observation_space.nvec, envs.single_action_space.n, ...).")
+
 class Actor:
     "Steps B environments with its own copy of the agent, T steps per rollout, carrying observations and core state across rollouts."
     def __init__(self, envs:SyncVectorEnv, # from `make_envs`
@@ -624,6 +642,7 @@ class Actor:
                  unroll:int, # T: steps per rollout
                  seed:int=0 # seeds the environments (env i gets seed + i) and the action sampling
                 ):
+        check_agent_fits(agent, envs)
         self.envs, self.T = envs, unroll
         self.agent = copy.deepcopy(agent).eval()
         for p in self.agent.parameters(): p.requires_grad_(False)
@@ -699,7 +718,8 @@ class RLConfig:
     def __post_init__(self):
         for name in ('d_model', 'num_envs', 'unroll', 'updates', 'log_every'):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"RLConfig.{name}={v!r} must be a positive int.")
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1: raise ValueError(f"RLConfig.{name}={v!r} must be a positive int.")
+            setattr(self, name, int(v))                                  # numpy integers too; the config is saved as JSON
         if not 0 <= self.gamma <= 1: raise ValueError(f"RLConfig.gamma={self.gamma} must be in [0, 1].")
         if not self.rho_bar >= self.c_bar > 0: raise ValueError(f"RLConfig needs rho_bar >= c_bar > 0, got {self.rho_bar}, {self.c_bar}.")
         for name in ('lr', 'max_grad_norm'):
@@ -895,10 +915,13 @@ def evaluate_agent(agent:Agent, # a trained agent
                    **env_kwargs # for gym.make, e.g. d_min=D, d_max=D for one delay
                   ) -> float: # success rate
     "Success rate of the agent's policy over num_envs * episodes_per_env fresh episodes, after one uncounted warm-up episode each."
+    if isinstance(episodes_per_env, bool) or not isinstance(episodes_per_env, numbers.Integral) or episodes_per_env < 1:
+        raise ValueError(f"episodes_per_env={episodes_per_env!r} must be an int >= 1.")
     envs = make_envs(env_id, num_envs, **env_kwargs)
     was_training = agent.training; agent.eval()
     gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
     try:
+        check_agent_fits(agent, envs)
         inner = [e.unwrapped for e in envs.envs]
         if hasattr(inner[0], 'set_delay'):            # warm-up episodes of random length: the counted ones start at random steps
             ranges = [(e.d_min, e.d_max) for e in inner]
@@ -932,6 +955,11 @@ def run_one(name:str, # the configuration's name
     "Train one configuration, measure its final success (on the task as configured, over its whole delay range, and at each fixed delay), and save the result."
     if deadline is not None and time.time() > deadline: return None
     t0, c = time.perf_counter(), RLConfig(**cfg)
+    if delays:                                                                   # before the training, not after it
+        with contextlib.closing(gym.make(c.env_id, **c.env_kwargs)) as env:
+            if not hasattr(env.unwrapped, 'set_delay'):
+                raise ValueError(f"delays={list(delays)}: fixed delays need the delayed non-matching task ({NONMATCH_ID}); "
+                                 f"{c.env_id} has none. Pass delays=().")
     old_threads = torch.get_num_threads()
     if c.threads is not None: torch.set_num_threads(c.threads)                   # training and evaluation alike
     try:

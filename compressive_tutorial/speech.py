@@ -13,7 +13,7 @@ __all__ = ['MU', 'N_CLASSES', 'SAMPLE_RATE', 'FULL_SCALE', 'LJSPEECH_URL', 'LJSP
            'generate', 'paper_scaled_configs', 'gpu_train_config', 'gpu_run']
 
 # %% ../nbs/11_speech.ipynb #4cd5649e
-import functools, hashlib, json, re, shutil, tarfile, time
+import functools, hashlib, json, numbers, re, shutil, tarfile, time
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -66,11 +66,16 @@ def _mu_law_decode_torch(codes:Tensor, mu:int) -> Tensor:
     y = y / m * 2 - 1                                                    # code -> F(x) in [-1, 1]
     return torch.sign(y) * (torch.exp(y.abs() * torch.log1p(m)) - 1) / m  # F^-1
 
+def _check_mu(mu):
+    if isinstance(mu, bool) or not isinstance(mu, numbers.Integral) or mu < 1:
+        raise ValueError(f'mu={mu!r} must be an int >= 1 (the codes are 0..mu; 255 for 8-bit µ-law)')
+
 def mu_law_encode(x, # waveform: float tensor or array in [-1, 1] (values outside are clipped to it)
                   mu:int=MU, # µ: the codes are 0..µ
                   backend:str='auto', # 'auto': torchaudio where it loads, else plain torch; or force 'torch' / 'torchaudio'
                  ) -> Tensor: # int64 codes in [0, µ], the same shape as x
     "Quantise a waveform to µ-law codes."
+    _check_mu(mu)
     x = torch.as_tensor(x)
     if not x.is_floating_point(): raise TypeError(f'mu_law_encode takes a float waveform in [-1, 1], got dtype {x.dtype}: '
                                                   'divide 16-bit samples by 32768 first (or read the file with read_clip)')
@@ -87,6 +92,7 @@ def mu_law_decode(codes, # int codes in [0, µ]: tensor or array
                   backend:str='auto', # as in `mu_law_encode`
                  ) -> Tensor: # float32 waveform in [-1, 1]
     "The waveform value each µ-law code stands for."
+    _check_mu(mu)
     codes = torch.as_tensor(codes)
     if codes.is_floating_point() or codes.dtype == torch.bool: raise TypeError(f'mu_law_decode takes integer codes, got dtype {codes.dtype}')
     if codes.numel() and (codes.min() < 0 or codes.max() > mu): raise ValueError(f'µ-law codes must be in [0, {mu}], got [{int(codes.min())}, {int(codes.max())}]')
