@@ -9,7 +9,7 @@ __all__ = ['ATTN_IMPLS', 'causal_mask', 'attention_mask', 'plot_mask', 'masked_a
            'reversed_sinusoid', 'RelativeMultiHeadAttention']
 
 # %% ../nbs/01_attention.ipynb #bf498ed4
-import functools, itertools, math
+import functools, itertools, math, os
 from typing import NamedTuple
 import torch
 import torch.nn as nn
@@ -371,7 +371,7 @@ _STEPS = [0]   # optimiser steps taken in this process, by any torch.optim.Optim
 def _count_step(opt, args, kwargs): _STEPS[0] += 1
 register_optimizer_step_post_hook(_count_step)                          # PyTorch calls it after every optimiser's step
 
-_UIDS = itertools.count(1)
+_UIDS = itertools.count(int.from_bytes(os.urandom(6), 'big') << 16)   # a random start: a tensor pickled in another process keeps its number
 
 def _uid(p:Tensor) -> int:
     "A number naming the tensor object `p` for the life of the process (an address is reused once a tensor is freed; this is not)."
