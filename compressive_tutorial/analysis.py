@@ -148,6 +148,12 @@ def _check_recordable(model, n_windows:int):
     if isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1:
         raise ValueError(f"n_windows={n_windows!r} must be a positive int.")
 
+def _check_window(model, x:Tensor):
+    "Each record is one whole window: the loader's windows must be the model's n_s long."
+    if x.shape[1] != model.cfg.n_s:
+        raise ValueError(f"the loader's windows have {x.shape[1]} steps but the model's n_s is {model.cfg.n_s}: make the loader with "
+                         f"n_s=model.cfg.n_s (each attention record and loss is of one whole window)")
+
 def _recorded_windows(model, loader, n_windows:int, n_m:int|None=None, n_cm:int|None=None):
     "Yield (x, y, reset, state before the window, attention records) for the first `n_windows` windows (eval, no grad, recording on)."
     dev = next(model.parameters()).device
@@ -156,6 +162,7 @@ def _recorded_windows(model, loader, n_windows:int, n_m:int|None=None, n_cm:int|
     state = None
     try:
         for batch in itertools.islice(iter(loader), n_windows):
+            _check_window(model, batch.x)
             x, y = batch.x.to(dev), batch.y.to(dev)                               # (B, T)
             reset = None if batch.reset is None else batch.reset.to(dev)          # (B,)
             before = state
@@ -317,6 +324,8 @@ def plot_attention_maps(records:list, # one AttentionRecord per layer (`window_a
                        ):
     "Query x key maps of every layer (and head): one panel each, segment boundaries marked, one colour scale."
     import matplotlib.pyplot as plt
+    if not records: raise ValueError("plot_attention_maps got no records: pass window_attention(...), or model.attention_records "
+                                     "after a call with model.record_attention = True")
     H = records[0].probs.shape[1]
     panels = [(i, h) for i in range(len(records)) for h in (range(H) if heads else [None])]   # (layer, head or None)
     vmax = max(float(attention_map(records[i], stream, h).max()) for i, h in panels)              # one colour scale
@@ -373,6 +382,7 @@ def compression_loss_by_layer(model:CompressiveTransformer, # a trained Compress
                              ) -> LayerLosses:
     "Attention-reconstruction loss (Algorithm 2) of every layer, per window, over `n_windows` windows (eval mode)."
     if not hasattr(model, 'compressors'): raise TypeError(f"{type(model).__name__} has no compression functions: use a CompressiveTransformer.")
+    _check_recordable(model, n_windows)
     is_attn = CompressionLoss(model.compression_loss) is CompressionLoss.ATTENTION
     if source == 'auto': source = 'aux' if is_attn else 'hooks'
     if source not in ('aux', 'hooks'): raise ValueError(f"source={source!r} is unknown: use 'auto', 'aux' or 'hooks'.")
@@ -387,6 +397,7 @@ def compression_loss_by_layer(model:CompressiveTransformer, # a trained Compress
     state = None
     try:
         for batch in itertools.islice(iter(loader), n_windows):
+            _check_window(model, batch.x)
             reset = None if batch.reset is None else batch.reset.to(dev)
             _, _, state = model(batch.x.to(dev), state, reset=reset, n_m=n_m, n_cm=n_cm)   # one window per call
             if source == 'aux':
@@ -473,6 +484,7 @@ def plot_memory_sweep(rows:list, # from `eval_across_memory_sizes`
                      ):
     "Bits per byte against the compressed-memory size used at evaluation."
     import matplotlib.pyplot as plt
+    if not rows: raise ValueError("plot_memory_sweep got no rows: pass what eval_across_memory_sizes returned")
     if ax is None: _, ax = plt.subplots(figsize=(5, 3.2))
     sizes = [r['n_cm'] for r in rows]
     ax.plot(range(len(rows)), [r['bpb'] for r in rows], 'o-', label=label)   # evenly spaced, like the columns of Tables 8-9

@@ -704,6 +704,7 @@ def top_p_filter(logits:Tensor, # (..., V)
                 ) -> Tensor: # (..., V): -inf outside the nucleus
     "Nucleus filter: keep the smallest set of most likely tokens whose probability adds up to at least p."
     if not 0 < p <= 1: raise ValueError(f"top_p={p!r} must be in (0, 1] (or None for no nucleus filter)")
+    if p == 1: return logits                                                    # every token (a float cumsum may reach 1 early)
     sorted_logits, order = logits.sort(dim=-1, descending=True)                 # (..., V)
     probs = sorted_logits.softmax(-1)                                           # (..., V)
     before = F.pad(probs.cumsum(-1), (1, 0))[..., :-1]                          # mass of the strictly more likely tokens
@@ -741,6 +742,9 @@ def sample(model:nn.Module, # a model of the package's interface
            precision:str='auto' # as the model was trained: 'auto' (`choose_precision`), 'bf16', 'fp16' or 'fp32'
           ) -> Tensor: # (n,) or (B, n) the generated ids
     "Continue a prompt with memory: prime window by window, then generate token by token."
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sample: window={window!r} must be an int >= 1 (None: the model's n_s)")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0: raise ValueError(f"sample: n={n!r} must be an int >= 0 (tokens to generate)")
     window = window or _model_window(model)
     ids = prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids           # (B, T)
     if ids.shape[1] < 1: raise ValueError("sample: the prompt needs at least one token")
