@@ -128,7 +128,7 @@ class Runner:
         "From a fresh stream, `cfg.warm` windows xy(i) of `phase`: memories full. A compiled model runs them eagerly, then compiles in two more windows the one graph of the steady state."
         self.reset()
         with _autocast(cfg):
-            with torch.compiler.set_stance('force_eager') if self.compiled else contextlib.nullcontext():
+            with torch.compiler.set_stance('force_eager') if self.compiled else contextlib.nullcontext(), _flex_as_sdpa(self.model):
                 for i in range(cfg.warm): self.step(phase, *xy(i))
             if self.compiled:
                 for i in range(cfg.warm, cfg.warm + 2): self.step(phase, *xy(i))
@@ -296,6 +296,15 @@ def mm_flops(device:str='cpu', # where
     _sync(device)
     return 2 * n ** 3 * r / (time.perf_counter() - t)
 
+@contextlib.contextmanager
+def _flex_as_sdpa(model:nn.Module):
+    "Run FlexAttention layers as 'sdpa' (the same matmuls) inside the block: for eager windows, where FlexAttention's kernel does not exist."
+    flex = [m for m in model.modules() if getattr(m, 'attn_impl', None) == 'flex']
+    for m in flex: m.attn_impl = 'sdpa'
+    try: yield
+    finally:
+        for m in flex: m.attn_impl = 'flex'
+
 def counted_flops(runner:Runner, cfg:BenchConfig, x:Tensor, y:Tensor) -> tuple:
     "(training, inference) matmul FLOPs per token that `torch.utils.flop_counter` sees one window of `runner` do."
     from torch.utils.flop_counter import FlopCounterMode, sdpa_flop, sdpa_backward_flop, baddbmm_flop
@@ -310,7 +319,8 @@ def counted_flops(runner:Runner, cfg:BenchConfig, x:Tensor, y:Tensor) -> tuple:
     for train in (False, True):                           # inference first: a training step would make the K/V cache stale;
                                                           # eager, so that the counter sees every matmul (a compiled model does the
                                                           # same ones, and the Q rebuilt above)
-        with FlopCounterMode(display=False, custom_mapping=extra) as fc, _autocast(cfg), torch.compiler.set_stance('force_eager'):
+        with FlopCounterMode(display=False, custom_mapping=extra) as fc, _autocast(cfg), torch.compiler.set_stance('force_eager'), \
+             _flex_as_sdpa(runner.model):                 # the counter has no rule for FlexAttention (pytorch#134385): the same matmuls
             runner.train_step(x, y) if train else runner.infer_step(x)
         out.append(fc.get_total_flops() / x.numel())
     return out[1], out[0]
@@ -318,10 +328,11 @@ def counted_flops(runner:Runner, cfg:BenchConfig, x:Tensor, y:Tensor) -> tuple:
 def device_peak_flops(cfg:BenchConfig) -> float|None:
     "Dense bf16/fp16 tensor-core peak FLOP/s of the CUDA device, from its name (None if unknown or fp32: no MFU printed)."
     if not cfg.device.startswith('cuda'): return None
-    name = torch.cuda.get_device_name()
-    table = {'H100': 989e12 if 'PCIe' not in name else 756e12, 'H200': 989e12, 'A100': 312e12, 'L4': 121e12, 'T4': 65e12}
     if cfg.dtype == 'float32': return None                # tensor-core peaks are for bf16/fp16; fp32 MFU is not printed
-    return next((v for k, v in table.items() if k in name), None)
+    name = torch.cuda.get_device_name(cfg.device)
+    table = {'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H100': 989e12, 'H200': 989e12, 'A100': 312e12, 'L40S': 362e12,
+             'L40': 181e12, 'L4': 121e12, 'T4': 65e12}        # the most specific name first; whole words ('L4' is not 'L40S')
+    return next((v for k, v in table.items() if re.search(rf'\b{k}\b', name)), None)
 
 # %% ../nbs/15_performance.ipynb #b1500020
 def _time(fn, steps:int, device:str) -> float:
@@ -365,7 +376,9 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
                 except Exception as e: drop(n, phase, 'timing', e)
             if progress: print(f"{phase} rep {rep + 1}/{cfg.reps}: " + '  '.join(f"{n} {res[n][phase][-1]:,.0f}" for n in names), flush=True)
     for n, r in runners.items():
-        res[n]['flops_counted'] = counted_flops(r, cfg, *xy(0))
+        try: res[n]['flops_counted'] = counted_flops(r, cfg, *xy(0))
+        except Exception as e:                             # a count that fails loses the count, not the timings
+            res[n]['flops_counted'], res[n]['flops_error'] = None, f"{type(e).__name__}: {(str(e).strip() or '?').splitlines()[0][:200]}"
         if memory and dev.startswith('cuda'): res[n]['peak_mib'] = cuda_peak_mib(r, cfg, xy)
     if memory and not dev.startswith('cuda'):
         for n in runners: res[n]['peak_mib'] = cpu_peak_mib(n, cfg)
@@ -377,14 +390,16 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
 
 # %% ../nbs/15_performance.ipynb #b1500021
 def cuda_peak_mib(runner:Runner, cfg:BenchConfig, xy) -> tuple:
-    "(training, inference) peak allocated CUDA memory in MiB over a few steps, from the allocator's statistics."
+    "(training, inference) peak CUDA memory in MiB of two steps above what was allocated before them (the weights, optimiser state and memories of every implementation alive), from the allocator's statistics."
     out = []
     for phase in ('train', 'infer'):
-        gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+        with _autocast(cfg): runner.step(phase, *xy(0))    # the phase's steady state first (a compiled model: its graph for it)
+        gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         with _autocast(cfg):
             for i in range(2): runner.step(phase, *xy(i))
         torch.cuda.synchronize()
-        out.append(torch.cuda.max_memory_allocated() / 2**20)
+        out.append((torch.cuda.max_memory_allocated() - base) / 2**20)
     return tuple(out)
 
 def _rss_mib(key:str='VmRSS') -> float:
@@ -438,12 +453,14 @@ def report(r:dict # what `run_benchmark` returned
            f"{'MFLOP/tok tr/inf':>18}{'GFLOP/s train':>14}{'% of mm':>8}{'peak MiB tr/inf':>17}")
     lines += [hdr, '-' * len(hdr)]
     for n, v in res.items():
-        ft, fi = v['flops_counted']
         ratio = lambda ph: f"{statistics.median(ratios(n, ph)):.2f}x" if has_ref else '-'
         pk = v.get('peak_mib')
+        if v['flops_counted'] is None: flops = f"{'-':>18}{'-':>14}{'-':>8}"          # the count failed (said below)
+        else:
+            ft, fi = v['flops_counted']
+            flops = f"{ft / 1e6:>8,.1f}/{fi / 1e6:<9,.1f}{ft * v['train_tps'] / 1e9:>14,.1f}{100 * ft * v['train_tps'] / mm:>7.0f}%"
         lines.append(f"{n:<19}{v['train_tps']:>12,.0f}{ratio('train'):>15}{v['infer_tps']:>13,.0f}{ratio('infer'):>15}"
-                     f"{ft / 1e6:>8,.1f}/{fi / 1e6:<9,.1f}{ft * v['train_tps'] / 1e9:>14,.1f}{100 * ft * v['train_tps'] / mm:>7.0f}%"
-                     f"{(f'{pk[0]:,.0f}/{pk[1]:,.0f}' if pk else '-'):>17}")
+                     f"{flops}{(f'{pk[0]:,.0f}/{pk[1]:,.0f}' if pk else '-'):>17}")
     lines += ['', '(MFLOP/tok: matmul FLOPs counted by torch.utils.flop_counter in one window, per token; tok/s: median over the '
               'repetitions; x: median of the per-repetition ratios, robust to a slow spell that hits one repetition)']
     if has_ref and len(res) > 1:                          # how far the repetitions disagree: the noise behind each ratio
@@ -459,6 +476,8 @@ def report(r:dict # what `run_benchmark` returned
         lines.append('MFU in training (the CT formula): ' + ', '.join(f"{n} {f['ct-train'] * res[n]['train_tps'] / peak:.1%}" for n in ours)
                      + f" of {peak / 1e12:.0f} TFLOP/s")
     for n, why in r['skipped'].items(): lines.append(f"skipped {n}: {why}")
+    for n, v in res.items():
+        if v.get('flops_error'): lines.append(f"FLOP count of {n} failed (its timings stand): {v['flops_error']}")
     lines += ['', 'what one training step computes:'] + [f"  {n}: {v['computes']}" for n, v in res.items()]
     return '\n'.join(lines)
 

@@ -156,6 +156,7 @@ def compile_layers(model:nn.Module, # a TransformerXL or CompressiveTransformer 
     opts = compile_kw.get('options') or {}
     if compile_kw.get('mode') in ('reduce-overhead', 'max-autotune') or opts.get('triton.cudagraphs'):   # modes that replay CUDA graphs
         model.copy_layer_outputs = True   # a replay overwrites what the layer returned last time: the state keeps copies
+        model.one_window_graphs = opts.get('triton.cudagraph_trees') is False   # without trees: saved activations too (notebook 02)
     return model
 
 # %% ../nbs/06_training.ipynb #77bf4172

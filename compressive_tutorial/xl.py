@@ -248,6 +248,8 @@ class TransformerXL(nn.Module):
         self.kv_cache_dtype = None  # dtype to store them in (None: as projected); the hook for lower-precision caches
         self.copy_layer_outputs = False  # copy what the state keeps of a layer's outputs: set by `compile_layers` (notebook 06) for
                                          # CUDA graphs, whose next replay overwrites the tensors a layer returned
+        self.one_window_graphs = False   # CUDA graphs without trees (`compile_layers`): a replay also overwrites the activations
+                                         # saved for the backward pass, so a training call must stay within one window
 
     def _empty(self, batch_size:int, device=None) -> list:
         "One empty Memory (length 0) per layer."
@@ -358,6 +360,10 @@ class TransformerXL(nn.Module):
     def _run_windows(self, x:Tensor, first:Tensor|None, state, **kw) -> tuple:
         "Run (B, T, d) inputs on the window grid: first the open window's remaining steps, then windows of n_s; (h (B, T, d), state)."
         n_s, T, outs, s = self.cfg.n_s, x.shape[1], [], 0
+        if self.one_window_graphs and torch.is_grad_enabled() and state.open_steps + T > n_s:
+            raise ValueError(f"this model's layers replay CUDA graphs without trees (compile_layers), and each replay overwrites the "
+                             f"activations the backward pass of the window before still needs: train one window per call (T <= "
+                             f"{n_s - state.open_steps} here, not {T}), or compile with mode='reduce-overhead' (trees)")
         while s < T:
             n = min(n_s - state.open_steps, T - s)                        # steps until the current window is complete
             h, state = self._window(x[:, s:s + n], None if first is None else first[:, s:s + n], state, **kw)  # (B, n, d)
