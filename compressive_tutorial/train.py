@@ -590,6 +590,7 @@ class Trainer:
             if self.world > 1: t = {k: gather_rows(v, self.world, self.device) for k, v in t.items()}   # all ranks' streams
             tensors.update(t)
             meta['state_batch_size'] = self._batch_size * self.world                 # the global batch
+        meta['loader_n_s'] = getattr(self.train_loader, 'n_s', None)                # the windows `window` counts
         t, meta['rng'] = rng_state(); tensors.update(t)
         return tensors, meta
 
@@ -616,6 +617,10 @@ class Trainer:
         if B is not None and loader_B is not None and loader_B != B:                 # before anything is changed
             raise ValueError(f"{path or 'the checkpoint'} holds the memories of {B} streams, but the train loader gives batches of "
                              f"{loader_B}: resume with the same loader (batch_size={B}); the memories belong to those streams")
+        ns, loader_ns = meta.get('loader_n_s'), getattr(self.train_loader, 'n_s', None)
+        if ns is not None and loader_ns is not None and loader_ns != ns:
+            raise ValueError(f"{path or 'the checkpoint'} was trained on windows of {ns} steps, but the train loader gives {loader_ns}: "
+                             f"resume with the same loader (n_s={ns}); the run's data position counts those windows")
         check_model(meta, self.model, path or 'the checkpoint'); _set_weights(self.model, tensors, path or 'the checkpoint')
         for name, opt in (('opt', self.opt), ('copt', self.copt)):
             saved = name in meta['skeleton']

@@ -185,6 +185,19 @@ def test_resume_with_more_steps_stretches_the_schedule(capsys, corpus, trained, 
     one_line_error(*ct(capsys, 'train', '--out', run, '--resume', '--steps', 3)[::2], status=2)   # fewer than done
 
 
+def test_resume_inside_a_group_keeps_its_switch(capsys, corpus, tmp_path):
+    """A run stopped inside a §5.5.1 group keeps the switch that aligns its groups (the pending gradients' group); the rest
+    of the schedule stretches as for a new run."""
+    small = ['--preset', 'colab', '--set', 'd_model=32', 'n_heads=2', 'd_ff=64', 'n_layers=2', 'n_s=16', 'n_m=8', 'n_cm=8', 'c=2',
+             'batch_size=4', 'eval_batch_size=2', 'valid_batches=4', 'progress=false', 'threads=1', '--device', 'cpu']
+    run = tmp_path/'grouped'
+    assert ct(capsys, 'train', corpus, '--out', run, '--steps', 8, *small)[0] == 0   # switch at 5: windows 5-7 of a group pending
+    assert json.loads((run/'config.json').read_text())['train']['update_every_after'] == 5
+    code, out, err = ct(capsys, 'train', '--out', run, '--resume', '--steps', 30)
+    assert code == 0, err
+    got = json.loads((run/'config.json').read_text())['train']
+    assert (got['update_every_after'], got['warmup_steps'], got['decay_steps']) == (5, 1, 29), got
+
 # ------------------------------------------------------------------------------------------------- small cases
 def test_model_too_large_for_memory_is_refused_up_front(capsys, corpus, tmp_path):
     code, out, err = ct(capsys, 'train', corpus, '--out', tmp_path/'huge', *TINY, '--set', 'd_model=1000000000')
