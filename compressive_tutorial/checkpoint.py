@@ -178,7 +178,7 @@ def load_checkpoint(path # a file written by `save_checkpoint`
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
         with open(path, 'rb') as f: head = f.read(4)
-        if head[:2] == b'PK' or head[:1] == b'\x80':                          # torch.save's zip, or a bare pickle
+        if head in (b'PK\x03\x04', b'\x80\x02\x8a\x0a'):                      # torch.save's zip, or its legacy pickle's magic
             raise CheckpointError(f"{path} is a pickled file (torch.save), not a safetensors checkpoint. Refusing to load it: "
                                   "pickled files can run code when loaded, so they are never accepted.") from None
         raise CheckpointError(f"{path} is damaged or not a safetensors checkpoint ({e}), so it is not loaded{_kept(path)}") from None

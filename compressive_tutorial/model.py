@@ -307,8 +307,7 @@ class CompressiveTransformer(TransformerXL):
         "The state to start from: `init_state` for None; a clear error if it does not fit; missing parts added."
         B, L = x.shape[0], len(self.layers)
         if state is None: return self.init_state(B, x.device)
-        if not isinstance(state, CTState):
-            raise TypeError(f"state must be a CTState, got {type(state).__name__}: pass state=None or model.init_state({B}).")
+        self._check_kind(state, B)                                             # before reading its CT fields
         if state.batch_size != B or len(state.memories) != L or len(state.compressed) != L or len(state.usage) != L:
             raise ValueError(f"state holds {len(state.memories)} layers x batch {state.batch_size} but the model has "
                              f"{L} layers and tokens batch {B}: pass state=None or model.init_state({B}).")

@@ -327,13 +327,17 @@ class TransformerXL(nn.Module):
                              f"got {tuple(first.shape)} {first.dtype}.")
         return None if first is None else first.to(x.device)
 
+    def _check_kind(self, state, B:int):
+        "A state of this model's kind (`state_class`), not another model's."
+        if not isinstance(state, self.state_class):
+            raise TypeError(f"state must be a {self.state_class.__name__}, got {type(state).__name__} (made by another kind of model): "
+                            f"pass state=None or model.init_state({B}).")
+
     def _check_state(self, state, x:Tensor):
         "The state to start from: `init_state` for None; a clear error if it does not fit; an open window added if missing."
         B = x.shape[0]
         if state is None: return self.init_state(B, x.device)
-        if not isinstance(state, self.state_class):
-            raise TypeError(f"state is a {type(state).__name__}, but this model carries a {self.state_class.__name__}: it was made by "
-                            f"another kind of model; pass state=None or model.init_state({B}).")
+        self._check_kind(state, B)
         if state.batch_size != B or len(state.memories) != len(self.layers):
             raise ValueError(f"state holds {len(state.memories)} layers x batch {state.batch_size} but the model has "
                              f"{len(self.layers)} layers and tokens batch {B}: pass state=None or model.init_state({B}).")
