@@ -133,7 +133,7 @@ def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
                              f'it) does not load here. Resample the file (e.g. ffmpeg -i {path.name} -ar {sample_rate} '
                              f'{path.stem}-{sample_rate}.flac), or run where torchaudio loads (Colab).')
         wave = ta.resample(wave, sr, sample_rate)                                # (N * sample_rate / sr,)
-    return wave
+    return wave.clamp_(-1, 1)   # a float file can hold samples beyond full scale, and resampling can overshoot it
 
 # %% ../nbs/11_speech.ipynb #34c91fff
 def ljspeech_split(clip_id:str, # an LJ Speech clip id, 'LJnnn-nnnn'

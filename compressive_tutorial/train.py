@@ -24,7 +24,7 @@ from tqdm import tqdm
 from .data import word_perplexity
 from .checkpoint import (   # built and tested in the appendix (notebook 90)
     flatten_tree, unflatten_tree, rng_state, set_rng_state, previous_checkpoint, save_checkpoint, load_checkpoint,
-    model_meta, check_model, _set_weights, NonFiniteError, TrainingInterrupted, StopSignals, RunFolderBusy, folder_lock)
+    model_meta, check_model, _set_weights, CheckpointError, NonFiniteError, TrainingInterrupted, StopSignals, RunFolderBusy, folder_lock)
 
 # %% ../nbs/06_training.ipynb #797eedcf
 PRECISIONS = ('auto', 'bf16', 'fp16', 'fp32')   # TrainConfig.precision: 'auto' chooses by device (`choose_precision`)
@@ -467,22 +467,28 @@ class Trainer:
         elif self.checkpoint is not None:
             path, at = self.checkpoint
             own = self.ckpt_dir is not None and path == self.ckpt_dir/'last.safetensors'
-            if rollback and own and load_checkpoint(path)[1]['n_updates'] == updates:   # resumed, it would give `what` again
-                prev = previous_checkpoint(path)
-                before = load_checkpoint(prev)[1] if prev.is_file() else None
-                if before is not None and before['n_updates'] != updates:           # older weights: resume from there
-                    os.replace(prev, path); self.checkpoint = (path, before['step'])
-                    kept = f"the checkpoint of step {at:,} held these weights, so {path} is back to step {before['step']:,}"
-                elif before is not None:                                            # a §5.5.1 group checkpointed twice
-                    prev.unlink(); path.unlink(); self.checkpoint = None
-                    kept = (f"the checkpoints of steps {before['step']:,} and {at:,} held these weights (the same update) and were "
-                            "removed; no earlier one is kept")
-                else:
-                    path.unlink(missing_ok=True); self.checkpoint = None
-                    kept = f"the checkpoint of step {at:,} held these weights and was removed (there is none before it)"
-            else: kept = f"the checkpoint {path} (step {at:,}) is kept as it was"
+            kept = f"the checkpoint {path} (step {at:,}) is kept as it was"
+            if rollback and own:
+                try: kept = self._roll_back(path, at, updates) or kept
+                except CheckpointError as e:                                        # damaged: the divergence is still the news
+                    kept = f"the checkpoints were left as they are, since one of them could not be read ({e})"
         return NonFiniteError(f"training diverged at step {step:,}: {what} (learning rate {lr_at(step, self.cfg):.3g}); "
                               f"{kept}. Lower lr_max (or clip_norm), or check the data, and train again")
+
+    def _roll_back(self, path:Path, at:int, updates:int) -> str|None:
+        "Roll back the run's checkpoint `path` (of step `at`) if it holds the weights of the `updates`-th update, which diverged: what was done, or None if it holds older weights."
+        if load_checkpoint(path)[1]['n_updates'] != updates: return None       # older weights: resuming from it is fine
+        prev = previous_checkpoint(path)
+        before = load_checkpoint(prev)[1] if prev.is_file() else None
+        if before is not None and before['n_updates'] != updates:               # older weights: resume from there
+            os.replace(prev, path); self.checkpoint = (path, before['step'])
+            return f"the checkpoint of step {at:,} held these weights, so {path} is back to step {before['step']:,}"
+        if before is not None:                                                  # a §5.5.1 group checkpointed twice
+            prev.unlink(); path.unlink(); self.checkpoint = None
+            return (f"the checkpoints of steps {before['step']:,} and {at:,} held these weights (the same update) and were "
+                    "removed; no earlier one is kept")
+        path.unlink(missing_ok=True); self.checkpoint = None
+        return f"the checkpoint of step {at:,} held these weights and was removed (there is none before it)"
 
     def _checkpoint_due(self) -> bool:
         "True every `ckpt_every` iterations, and when `ckpt_minutes` passed since the last checkpoint."
