@@ -130,11 +130,28 @@ def split_directives(src):
     return d, '\n'.join(lines[i:])
 
 
+_re_doc_link = re.compile(r'\[(`[^`\]]+`)\]\(([^)\s]+)\)')   # nbdev's link to a symbol: [`name`](url)
+
+
+def showdoc_anchors(procs, pages):
+    "{page: the anchors of its show_doc entries}: the symbols nbdev documents there (its links use `name.lower()`)."
+    out = {}
+    for p, nb in procs.items():
+        ids = out.setdefault(pages[p], set())
+        for c in nb['cells']:
+            for o in c.get('outputs', []):
+                t = src_of({'source': o.get('data', {}).get('text/markdown', '')})
+                m = re.search(r'^#{2,6}\s+(.+?)\s*$', t, re.M)
+                if m and t.lstrip().startswith('---'): ids.add(m.group(1).strip().strip('`').lower())
+    return out
+
+
 class Linker:
     "Rewrites links: doc-host URLs and notebook names -> relative page links (docs) or repo paths (README)."
-    def __init__(self, cfg, pages, docs=True):
+    def __init__(self, cfg, pages, docs=True, anchors=None):
         self.host = (cfg.doc_host.rstrip('/') + '/' + cfg.doc_baseurl.strip('/')).rstrip('/') + '/'
         self.pages, self.docs = pages, docs    # pages: 'nbs-relative notebook path' -> 'page.html'
+        self.anchors = anchors                 # {page: show_doc anchors}, from `showdoc_anchors` (None: links kept as they are)
         self.nb_by_name = {Path(k).name: k for k in pages}
         self.nbs_dir = Path(cfg.nbs_path).name + '/'   # README links point into the repository
 
@@ -154,8 +171,19 @@ class Linker:
         else: return url + frag
         return posixpath.relpath(target, posixpath.dirname(here) or '.') + frag
 
+    def symbol(self, m):
+        "nbdev links a name in backticks to `page.html#name` whenever the name is in the index, also where the page has no entry for it (a method documented with its class, a private helper): link to the entry, else to its class's entry, else not at all."
+        name, url = m.group(1), m.group(2)
+        if self.anchors is None or not url.startswith(self.host) or '#' not in url: return m.group(0)
+        base, frag = url.split('#', 1)
+        ids = self.anchors.get(base[len(self.host):] or 'index.html')
+        if ids is None: return m.group(0)                      # a page not built this time (`--readme-only`)
+        while frag not in ids and '.' in frag: frag = frag.rsplit('.', 1)[0]
+        return f'[{name}]({base}#{frag})' if frag in ids else name
+
     def md(self, text, here, here_nb):
         self.here_nb = here_nb
+        text = _re_doc_link.sub(self.symbol, text)
         return _re_md_link.sub(lambda m: m.group(1) + self.fix(m.group(2), here) + m.group(3), text)
 
 
@@ -174,6 +202,9 @@ def clean_showdoc_md(md, linker, here, here_nb):
         return f'<a href="{html.escape(mm.group(2))}" class="nbdev-source-link">{mm.group(1)}</a>{anchor}'
     md, n = _re_quarto_attr_link.subn(src_link, md, count=1)
     if not n and anchor: md = anchor + '\n\n' + md
+    # the signature is a code block: nbdev's links in its parameter comments would show as markdown text there, so keep
+    # the names as written; and a parameter whose default is None reads `device=None` as in the code, not `device:NoneType=None`
+    md = re.sub(r'```python\n.*?```', lambda f: _re_doc_link.sub(r'\1', f.group(0)).replace(':NoneType=None', '=None'), md, flags=re.S)
     return linker.md(md, here, here_nb)
 
 
@@ -235,11 +266,11 @@ RESULTS_MARKER = '<!-- results -->'
 _re_hardware = re.compile(r'(CPU [^|\n]*?torch \d[\w.+]*|[^|\n:]*\(CUDA[^)\n]*\)[^|\n]*?torch \d[\w.+]*)')   # hardware()'s line
 
 
-def outputs_date(nb_path):
-    "The day a notebook's outputs were last changed by a commit (today, UTC, if uncommitted changes touch them): an edit of its prose keeps the date."
+def outputs_date(nb_path, ids):
+    "The day the outputs of a notebook's cells `ids` were last changed by a commit (today, UTC, if uncommitted changes touch them): an edit of its prose, or of another cell's output, keeps the date."
     def git(*a): return subprocess.run(['git', *a], cwd=ROOT, capture_output=True, text=True).stdout
-    def outputs(text):                                   # the code cells that have outputs, by id; None: no notebook there
-        try: return [(c.get('id'), c['outputs']) for c in json.loads(text)['cells'] if c.get('outputs')]
+    def outputs(text):                                   # those cells' outputs, by id; None: no notebook there
+        try: return [(c.get('id'), c.get('outputs')) for c in json.loads(text)['cells'] if c.get('id') in ids]
         except ValueError: return None
     import datetime
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
@@ -282,7 +313,7 @@ def results_cells(nbs, nbs_dir):
                                         'its outputs or before it (print `compressive_tutorial.train.hardware()` beside the run)')
                 cells.append({'cell_type': 'markdown', 'metadata': {}, 'source':
                               f'### {t}\n\nFrom [{Path(p).stem}]({Path(p).name}), run on {hw.group(1).strip()}; '
-                              f'outputs committed {outputs_date(nbs_dir / p)}.'})
+                              f'outputs committed {outputs_date(nbs_dir / p, {c2.get("id") for t2, c2 in picked if t2 == t})}.'})
             cells.append({'cell_type': 'code', 'metadata': {'tags': ['remove-input']}, 'execution_count': None,
                           'source': f'# saved outputs of a cell of {p}', 'outputs': copy.deepcopy(headline_outputs(c))})
     return cells
@@ -435,14 +466,15 @@ def build(out=None, readme=None, readme_only=False, keep_going=False):
     dup = {v for v in pages.values() if list(pages.values()).count(v) > 1}
     if dup: sys.exit(f'build_docs: two notebooks render to the same page {sorted(dup)}: rename one of them')
     nbs_rel = [p for p in all_nbs if p not in errors and (cache / p).exists()]
-    linker = Linker(cfg, pages)
+    procs = {p: json.loads((cache / p).read_text(encoding='utf-8')) for p in nbs_rel}
+    anchors = showdoc_anchors(procs, pages)
+    linker = Linker(cfg, pages, anchors=anchors)
     src = cache / '_sphinx'
     (src / '_static').mkdir(parents=True)
     cleaned = {}
     nbs_dir = Path(cfg.nbs_path)
     results = results_cells({p: json.loads((nbs_dir / p).read_text(encoding='utf-8')) for p in all_nbs if p != readme_nb},
                             nbs_dir)   # from the committed notebooks, so that `--readme-only` finds them too
-    procs = {p: json.loads((cache / p).read_text(encoding='utf-8')) for p in nbs_rel}
     if readme_nb in procs: add_results(procs[readme_nb], results)
     for p in nbs_rel:
         nb = copy.deepcopy(procs[p])    # clean_nb edits outputs in place; the README cleans the index again
@@ -454,8 +486,8 @@ def build(out=None, readme=None, readme_only=False, keep_going=False):
         dst.write_text(json.dumps(out_nb, indent=1, ensure_ascii=False), encoding='utf-8')
 
     if readme_nb in cleaned:
-        rnb, _ = clean_nb(procs[readme_nb], 'README.md', readme_nb, Linker(cfg, pages, docs=False))
-        md = to_gfm(rnb, Linker(cfg, pages, docs=False), readme_nb)
+        rnb, _ = clean_nb(procs[readme_nb], 'README.md', readme_nb, Linker(cfg, pages, docs=False, anchors=anchors))
+        md = to_gfm(rnb, Linker(cfg, pages, docs=False, anchors=anchors), readme_nb)
         rp = Path(readme) if readme else ROOT / 'README.md'
         rp.write_text(md, encoding='utf-8')
         log(f'wrote {rp}')

@@ -9,14 +9,16 @@ Checks:
   nav         every page's left navigation lists every notebook, index first, then in course order
   errors      no error output, traceback or docutils error message on any page
   local-files every local image, script, stylesheet and link target exists (the site works from the filesystem)
+  anchors     every link to a place in a page (`page.html#name`) finds an element with that id there
   math        pages with math load the local MathJax 3 (no network needed)
   layout      the stylesheet widens the content column and lets wide output tables scroll; every page loads it
-  syntax      no leftover Quarto / nbdev syntax: front matter, `{target=...}`, `#|` lines, raw `$...$`
+  syntax      no leftover Quarto / nbdev syntax: front matter, `{target=...}`, `#|` lines, raw `$...$` or TeX, markdown
+              links shown as text in code blocks
   warnings    the Sphinx build printed no warnings (with --warnings)
   fresh       the site matches the committed one in --reference (same pages, same text, same images)
 Exit status 1 if any check failed.
 """
-import argparse, json, re, sys
+import argparse, json, posixpath, re, sys
 from pathlib import Path
 from urllib.parse import urlsplit, unquote
 
@@ -161,6 +163,17 @@ def check(site, reference=None, warnings=None):
                 if not f.exists(): probs.append(f'{pg}: {tag} {url} does not exist')
     report('local-files', sorted(set(probs)))
 
+    # anchors: a link to a place in a page (`page.html#name`, `#name`) lands on an element with that id
+    probs = []
+    ids = {pg: {t['id'] for t in sp.find_all(id=True)} for pg, sp in soups.items()}
+    for pg, sp in soups.items():
+        for a in article(sp).find_all('a', href=True):
+            u = urlsplit(a['href'])
+            if not u.fragment or u.scheme or a['href'].startswith('//'): continue
+            tgt = posixpath.normpath(posixpath.join(posixpath.dirname(pg), unquote(u.path))) if u.path else pg
+            if tgt in ids and unquote(u.fragment) not in ids[tgt]: probs.append(f'{pg}: the link {a["href"]} goes to no anchor of {tgt}')
+    report('anchors', sorted(set(probs)))
+
     # math: local MathJax
     probs = []
     for pg, sp in soups.items():
@@ -176,11 +189,14 @@ def check(site, reference=None, warnings=None):
     probs = []
     pats = [(r'\{target=', 'Quarto link attributes'), (r'output-file:', 'front matter'), (r'^---$', 'front matter'),
             (r':::', 'Quarto div'), (r'\$\$', 'raw display math'), (r'(?<![\w\\])\$[^\s$][^$\n]{0,200}?(?<!\s)\$(?!\w)', 'raw inline math'),
-            (r'\{\.[\w-]+\}', 'attribute syntax')]
+            (r'\{\.[\w-]+\}', 'attribute syntax'), (r'\\[()]', 'raw math delimiters'), (r'\\[a-zA-Z]{2,}', 'raw TeX (a `$$` block inside a paragraph?)')]
     for pg, sp in soups.items():
         art = BeautifulSoup(str(article(sp)), 'html.parser')
         for code in art.select('div.cell_input pre'):
             if re.search(r'^\s*#\|', code.get_text(), re.M): probs.append(f'{pg}: a `#|` line is shown in a code cell')
+        for code in art.find_all('pre'):
+            m = re.search(r'\[`[^`\]]+`\]\([^)\s]+\)', code.get_text())
+            if m: probs.append(f'{pg}: a markdown link shown as text in a code block {m.group(0)[:60]!r}')
         for t in art.find_all(['pre', 'code', 'script', 'style']): t.decompose()
         for t in art.find_all(class_='math'): t.decompose()
         text = art.get_text('\n')
