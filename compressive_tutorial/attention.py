@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['ATTN_IMPLS', 'causal_mask', 'attention_mask', 'plot_mask', 'masked_attention', 'attend_explicit', 'AttnResult',
            'MultiHeadAttention', 'sinusoid_embedding', 'relative_distances', 'rel_shift', 'shift_masked',
-           'attend_biased', 'shift_masked_', 'rel_score_mod', 'flex_reference', 'attend_flex', 'weights_key',
-           'reversed_sinusoid', 'RelativeMultiHeadAttention']
+           'attend_biased', 'shift_masked_', 'rel_score_mod', 'flex_reference', 'attend_flex', 'hooks_key', 'has_hooks',
+           'weights_key', 'reversed_sinusoid', 'RelativeMultiHeadAttention']
 
 # %% ../nbs/01_attention.ipynb #bf498ed4
 import functools, itertools, math, os
@@ -200,10 +200,13 @@ class MultiHeadAttention(nn.Module):
                 mem:Tensor|None=None, # (B, M, d) memory in front of the window (keys/values only); None = no memory
                 mem_valid:Tensor|None=None, # (B, M) bool, False = empty slot, never attended; None = all valid
                 return_probs:bool=False, # also return the attention probabilities (explicit path for this call)
-                first:Tensor|None=None # (B, T) bool, True where a query starts a new episode
-               ): # (B, T, d), or ((B, T, d), probs (B, H, T, M+T)) with return_probs
-        "Attend from the window over `[mem; h]` with the causal + validity (+ episode) mask."
-        r = self.forward_full(h, mem, mem_valid, need_probs=return_probs, first=first)
+                first:Tensor|None=None, # (B, T) bool, True where a query starts a new episode
+                mem_kv:tuple|None=None, # the memory's keys/values, already projected (see `forward_full`)
+                full:bool=False # return `forward_full`'s AttnResult (output, probs, q, keys, values)
+               ): # (B, T, d), or ((B, T, d), probs (B, H, T, M+T)) with return_probs, or an AttnResult with full
+        "Attend from the window over `[mem; h]` with the causal + validity (+ episode) mask. Layers call the module (with `full=True`), so that hooks on it run."
+        r = self.forward_full(h, mem, mem_valid, mem_kv, need_probs=return_probs, first=first)
+        if full: return r
         return (r.out, r.probs) if return_probs else r.out
 
 # %% ../nbs/01_attention.ipynb #70e2ee91
@@ -261,6 +264,9 @@ class _ShiftMasked(torch.autograd.Function):
     def backward(ctx, g:Tensor):
         mask, = ctx.saved_tensors
         shape, stride = ctx.layout
+        if torch.is_grad_enabled():                                  # create_graph=True (a gradient penalty, a Hessian-vector product):
+            x = g.new_zeros(shape).requires_grad_()                  # the same linear map, from differentiable operations
+            return torch.autograd.grad(rel_shift(x).masked_fill(~mask, 0.), x, g, create_graph=True)[0], None
         *lead, T, K = shape
         gx = torch.empty_strided(shape, stride, dtype=g.dtype, device=g.device)   # x's layout: its producer reads it as is
         # Row i of the forward read columns T-1-i .. of x. Written back as rows of K-1 that follow each other at stride K-1,
@@ -379,9 +385,17 @@ def _uid(p:Tensor) -> int:
     if u is None: u = p._weights_uid = next(_UIDS)
     return u
 
+def hooks_key(*mods:nn.Module) -> tuple:
+    "The forward hooks registered on these modules, by handle number: for a value computed through them and kept, since a hook may change what a module computes without touching a weight. (Global module hooks are left out: tools such as the FLOP counter register them to watch every module, not to change one.)"
+    return tuple((tuple(m._forward_pre_hooks), tuple(m._forward_hooks)) for m in mods)
+
+def has_hooks(*mods:nn.Module) -> bool:
+    "Whether a forward hook is registered on any of these modules (code that bypasses a module's call for speed must call it then)."
+    return any(m._forward_pre_hooks or m._forward_hooks for m in mods)
+
 def weights_key(*ps:Tensor) -> tuple:
     "Identity of weights, for a value computed from them and kept: each one's object, storage and in-place version, and the optimiser steps taken in this process (a fused step leaves the versions as they were)."
-    return tuple((_uid(p), p.data_ptr(), p._version) for p in ps) + (_STEPS[0],)
+    return tuple((_uid(p), p.data_ptr(), -1 if p.is_inference() else p._version) for p in ps) + (_STEPS[0],)   # (an inference tensor has no version)
 
 # %% ../nbs/01_attention.ipynb #0e1658c3
 def reversed_sinusoid(K:int, # keys: distances K-1 .. 0
@@ -423,11 +437,11 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         self.v_bias = nn.Parameter(torch.randn(n_heads, self.d_head) * 0.02)  # v: global position bias, per head
 
     def rel_proj(self, K:int, device=None) -> Tensor:
-        "The paper's Q: row k is $W_{k,R} R_{K-1-k}$, split into heads `(H, d_h, K)`; kept while no gradient is taken and W_{k,R} (`weights_key`), clamp_len and autocast are unchanged."
+        "The paper's Q: row k is $W_{k,R} R_{K-1-k}$, split into heads `(H, d_h, K)`; kept while no gradient is taken and W_{k,R} (`weights_key`), the hooks around `r` (`hooks_key`), clamp_len and autocast are unchanged."
         keep = not (torch.is_grad_enabled() or torch.compiler.is_compiling())   # (a compiled graph recomputes it: no Python state)
         dev = torch.device(device or self.r.weight.device)
         amp = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
-        key = (K, dev, self.clamp_len, amp) + weights_key(self.r.weight) if keep else None
+        key = (K, dev, self.clamp_len, amp) + weights_key(self.r.weight) + hooks_key(self.r) if keep else None
         if keep and getattr(self, '_rel_cache', (None,))[0] == key: return self._rel_cache[1]
         R = _reversed_sinusoid(K, self.d_model, self.clamp_len, dev, self.r.weight.dtype)   # (K, d), shared: no parameter in it
         Q = self.r(R).view(K, self.n_heads, self.d_head).permute(1, 2, 0)  # (H, d_h, K)

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .attention import weights_key
+from .attention import has_hooks, weights_key
 
 # %% ../nbs/03_compression.ipynb #236d2512
 def check_divisible(n:int, # number of memories to compress (the window n_s, in the model)
@@ -107,6 +107,7 @@ class ConvCompressor(Compressor):
     def compress(self, old, usage=None, valid=None):
         "The convolution as one matmul (kernel = stride = c: blocks do not overlap), several times faster than Conv1d on CPU."
         B, n, d = old.shape
+        if has_hooks(self.conv): return self.conv(old.transpose(1, 2)).transpose(1, 2)   # hooked (weight_norm, a probe): the module itself
         if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):   # evaluation: the memories as stored, the weight rearranged once
             return F.linear(old.reshape(B, n // self.c, self.c * d), self.tap_major_weight(), self.conv.bias)   # (B, n/c, d)
         blocks = old.unflatten(1, (n // self.c, self.c)).transpose(2, 3).flatten(2)   # (B, n/c, d*c): entry i*c + r is feature i of memory jc + r

@@ -298,7 +298,7 @@ class CompressiveTransformer(TransformerXL):
         self.aux_losses = [None if a is None else a.detach() for a in per_layer]
         done = [a for a in per_layer if a is not None]
         self.aux_loss = torch.stack(done).sum() if done else None               # Algorithm 2: sum over layers
-        detach = lambda m: Memory(m.mem.detach(), m.valid, m.kv)
+        detach = lambda m: m if not m.mem.requires_grad else Memory(m.mem.detach(), m.valid, m.kv)   # (the cache belongs to m.mem)
         new = CTState([detach(m) for m in st.memories], [detach(cm) for cm in st.compressed],
                       [None if u is None else u.detach() for u in st.usage], st.window, st.age)
         return self.ln_f(h), new
@@ -344,8 +344,8 @@ class CompressiveTransformer(TransformerXL):
         if usage is not None and keep is not None: usage, age = usage * m.valid, age * m.valid   # counted afresh per episode
         w, wv = self._grow(window, h, new_valid)                             # (B, P+n, d) this layer's inputs of the window so far
         if w.shape[1] < self.cfg.n_s:                                        # still open: keep it (and its keys/values)
-            kv = self._keep_kv(tag, [r.k], [r.v], w.shape[1]) if cache else None
-            return r.out, m, cm, Memory(self._own(w.detach()), wv, kv), usage, age, None
+            wm = self._own(w.detach())
+            return r.out, m, cm, Memory(wm, wv, self._keep_kv(tag, [r.k], [r.v], wm) if cache else None), usage, age, None
         upd = update_compressive_memory(m, cm, self._own(w), n_m, n_cm, self.cfg.c, self.compressors[i], usage,
                                         self.compression_loss.keeps_graph, wv, age)            # 8-11
         if self.compression_hook is not None: self.compression_hook(i, w, upd.old, upd.new_cm)
@@ -353,10 +353,10 @@ class CompressiveTransformer(TransformerXL):
         proj = None if P else (r.q, r.k[:, :, CM:CM + n_old], r.v[:, :, CM:CM + n_old])   # the layer's q (if it saw the whole window) and its keys/values of `old`
         new_m, new_cm = upd.m, upd.cm
         if cache:                                                            # the new m is the tail of [m; window], so of r.k, r.v
-            new_m = Memory(new_m.mem, new_m.valid, self._keep_kv(tag, [r.k], [r.v], new_m.length))
+            new_m = Memory(new_m.mem, new_m.valid, self._keep_kv(tag, [r.k], [r.v], new_m.mem))
             nk, nv = layer.project_memory(upd.new_cm.to(h.dtype))            # (B, H, n_old/c, d_h): only the new slots
             new_cm = Memory(new_cm.mem, new_cm.valid, self._keep_kv(tag, [r.k[:, :, :CM], nk.to(r.k.dtype)],   # two pieces: the next
-                                                                    [r.v[:, :, :CM], nv.to(r.v.dtype)], new_cm.length))   # attention joins them
+                                                                    [r.v[:, :, :CM], nv.to(r.v.dtype)], new_cm.mem))   # attention joins them
         empty = Memory(window.mem[:, :0], window.valid[:, :0])
         return r.out, new_m, new_cm, empty, upd.usage, upd.age, self._aux(i, w, upd.old, upd.new_cm, proj)
 

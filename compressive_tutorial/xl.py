@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .attention import RelativeMultiHeadAttention, AttnResult, ATTN_IMPLS, weights_key
+from .attention import RelativeMultiHeadAttention, AttnResult, ATTN_IMPLS, weights_key, hooks_key
 
 # %% ../nbs/02_transformer_xl.ipynb #12ed011e
 @dataclass
@@ -58,7 +58,8 @@ class KVCache:
     "Keys and values a layer projected from its memory slots, in pieces along the slots; valid only while those weights are unchanged."
     ks:tuple     # ((B, H, M_i, d_h), ...) the slots' keys, oldest first, in pieces (views of what attention read): sum M_i = M
     vs:tuple     # the slots' values, in pieces of the same lengths
-    tag:tuple    # `XLLayer.kv_tag()` when they were projected: `weights_key` of the weights used, and the autocast dtype
+    tag:tuple    # `XLLayer.kv_tag()` when they were projected: `weights_key` of the weights used, the hooks, the autocast dtype
+    of:tuple     # `weights_key` of the memory tensor they belong to: an edit of the memory (in place, or another tensor) drops them
 
     @property
     def length(self) -> int: return sum(k.shape[2] for k in self.ks)
@@ -157,11 +158,12 @@ class XLLayer(nn.Module):
         return self.attn.project_kv(self.ln1(x) if self.pre_ln else x)
 
     def kv_tag(self) -> tuple:
-        "Identity of the weights behind `project_memory` (`weights_key`: any optimiser step or `load_state_dict` changes it, a write through `p.data` does not), and the autocast dtype keys are made in."
+        "Identity of what `project_memory` computes with: the weights (`weights_key`: any optimiser step or `load_state_dict` changes it, a write through `p.data` does not), the hooks around those modules (`hooks_key`), and the autocast dtype keys are made in."
+        mods = [self.attn.k, self.attn.v] + ([self.ln1] if self.pre_ln else [])
         ps = [self.attn.k.weight, self.attn.v.weight] + ([self.ln1.weight, self.ln1.bias] if self.pre_ln else [])
         dev = ps[0].device.type
         amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None   # keys cached in bf16 are not fp32 keys
-        return weights_key(*ps) + (amp,)
+        return weights_key(*ps) + hooks_key(*mods) + (amp,)
 
     def forward(self,
                 h:Tensor, # (B, T, d) the layer's input for this window
@@ -174,7 +176,7 @@ class XLLayer(nn.Module):
                ): # (B, T, d) the layer's output, or (output, probs) with return_probs, or an AttnResult with full
         "Post-LN (paper) or pre-LN layer over the window, attending to `mem` (or to its given keys/values `mem_kv`)."
         if mem is not None and mem_kv is None: mem_kv = self.project_memory(mem.to(h.dtype))  # (B, H, M, d_h) each
-        r = self.attn.forward_full(self.ln1(h) if self.pre_ln else h, None, mem_valid, mem_kv, return_probs, first)
+        r = self.attn(self.ln1(h) if self.pre_ln else h, None, mem_valid, return_probs, first, mem_kv, full=True)   # hooks on attn run
         a = r.out                                                     # (B, T, d)
         if self.pre_ln:
             o = h + self.drop(a)
@@ -384,13 +386,14 @@ class TransformerXL(nn.Module):
 
     @staticmethod
     def _cached_kv(tag:tuple, memory:Memory) -> tuple|None:
-        "The memory's cached (keys, values), or None if there is none or the layer's weights changed since they were made (`tag`: its `kv_tag()` now)."
+        "The memory's cached (keys, values), or None if there is none, or the layer's weights or hooks changed since they were made (`tag`: its `kv_tag()` now), or the memory itself did."
         kv = memory.kv
-        if kv is None or kv.length != memory.length or kv.tag != tag: return None
+        if kv is None or kv.tag != tag or kv.of != weights_key(memory.mem): return None
         return kv.ks, kv.vs
 
-    def _keep_kv(self, tag:tuple, ks:list, vs:list, n:int) -> KVCache:
-        "The newest `n` key/value slots of the pieces `ks`, `vs` ((B, H, L_i, d_h) each, oldest first) as the cache of a memory of length n: views."
+    def _keep_kv(self, tag:tuple, ks:list, vs:list, mem:Tensor) -> KVCache:
+        "The newest key/value slots of the pieces `ks`, `vs` ((B, H, L_i, d_h) each, oldest first) as the cache of the memory tensor `mem` (B, n, d): views of its n slots."
+        n = mem.shape[1]
         def tail(ps, n):                                                 # the last n slots over the pieces; at least one piece
             out = []
             for p in reversed(ps):
@@ -398,7 +401,7 @@ class TransformerXL(nn.Module):
                 out.append(p[:, :, -n:]); n -= p.shape[2]                # n > 0 here, so -n: is the last n (or all of p)
             return out[::-1] or [ps[-1][:, :, :0]]
         own = lambda p: self._own(p if self.kv_cache_dtype is None else p.to(self.kv_cache_dtype))
-        return KVCache(tuple(map(own, tail(ks, n))), tuple(map(own, tail(vs, n))), tag)
+        return KVCache(tuple(map(own, tail(ks, n))), tuple(map(own, tail(vs, n))), tag, weights_key(mem))
 
     def _attend(self, layer:XLLayer, h:Tensor, stores:list, first:Tensor|None, tag:tuple|None, need_probs:bool=False) -> AttnResult:
         "The layer over `h` (B, n, d), reading `stores` (Memory each, oldest first: [memory; open window]) as the keys in front of it; their cached keys/values if `tag` (the layer's `kv_tag()`, None: no cache) matches."
@@ -427,10 +430,11 @@ class TransformerXL(nn.Module):
             memory, window = mask_memory(memory, keep), mask_memory(window, keep)
             w, wv = self._grow(window, h, new_valid)                       # (B, P+n, d) this layer's inputs of the window so far
             if w.shape[1] < self.cfg.n_s:                                  # still open: keep it (and its keys/values)
-                window = Memory(self._own(w.detach()), wv, self._keep_kv(tag, [r.k], [r.v], w.shape[1]) if cache else None)
+                wm = self._own(w.detach())
+                window = Memory(wm, wv, self._keep_kv(tag, [r.k], [r.v], wm) if cache else None)
             else:                                                          # complete: store this layer's INPUT (detached; may be a view of w)
                 memory, window = update_memory(memory, self._own(w), n_m, wv), Memory(window.mem[:, :0], window.valid[:, :0])
-                if cache: memory.kv = self._keep_kv(tag, [r.k], [r.v], memory.length)   # the tail of [memory; window]
+                if cache: memory.kv = self._keep_kv(tag, [r.k], [r.v], memory.mem)   # the tail of [memory; window]
             ms.append(memory); ws.append(window)
             h = r.out                                                      # (B, n, d)
         return h, XLState(ms, ws)
