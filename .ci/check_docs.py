@@ -5,7 +5,7 @@
 
 Checks:
   page <nb>   a page per notebook, titled with the notebook's title and showing its one-line summary
-  plots <nb>  the page shows (at least) every image output of the notebook that nbdev keeps visible
+  plots <nb>  the page shows (at least) every image output of the notebook that nbdev keeps visible, each with alt text
   nav         every page's left navigation lists every notebook, index first, then in course order
   errors      no error output, traceback or docutils error message on any page
   local-files every local image, script, stylesheet and link target exists (the site works from the filesystem)
@@ -120,8 +120,11 @@ def check(site, reference=None, warnings=None):
         report(f'page {r}', probs)
         want = visible_images(nb)
         got = len([i for i in art.select('div.cell_output img')])
-        # at least the notebook's own image outputs (nbdev may add some: it runs cells that import things)
-        report(f'plots {r}', [] if got >= want else [f'{pg} shows {got} output images, the notebook has {want}'])
+        # at least the notebook's own image outputs (nbdev may add some: it runs cells that import things), each with alt text
+        probs = [] if got >= want else [f'{pg} shows {got} output images, the notebook has {want}']
+        probs += [f"{pg}: an output image has no alt text but its file name {i.get('alt')!r}" for i in art.select('div.cell_output img')
+                  if not i.get('alt') or i.get('alt') == i.get('src') or i.get('alt', '').startswith('_images/')][:1]
+        report(f'plots {r}', probs)
 
     # navigation: every page lists every notebook in course order
     expected = [pages[r] for r in rels]
