@@ -73,24 +73,27 @@ def unflatten_tree(skel, # the skeleton from `flatten_tree`
     raise ValueError(f"not a flatten_tree skeleton node: {skel!r}")
 
 # %% ../nbs/90_appendix_checkpoints.ipynb #830b3e88
-def rng_state() -> tuple: # ({name: tensor}, JSON-able dict)
-    "The torch (CPU, CUDA and Apple's MPS), python `random` and numpy random states."
-    tensors = {'rng.torch': torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()): tensors[f'rng.cuda.{i}'] = s
-    if torch.backends.mps.is_available(): tensors['rng.mps'] = torch.mps.get_rng_state()
+def rng_state(device=None # the run's device: its generator is saved too if it is a CUDA device or MPS
+             ) -> tuple: # ({name: tensor}, JSON-able dict)
+    "The random states of torch (the CPU's, and the run's GPU's), python `random` and numpy."
+    tensors, device = {'rng.torch': torch.get_rng_state()}, None if device is None else torch.device(device)
+    if device is not None and device.type == 'cuda': tensors['rng.cuda'] = torch.cuda.get_rng_state(device)
+    if device is not None and device.type == 'mps': tensors['rng.mps'] = torch.mps.get_rng_state()
     version, state, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return tensors, {'python': [version, list(state), gauss], 'numpy': [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
 
 def set_rng_state(tensors:dict, # the tensors from `rng_state`
-                  js:dict # the JSON part
+                  js:dict, # the JSON part
+                  device=None # the run's device now: a saved GPU generator goes to it (any index), if it is a GPU of that kind
                  ):
     "Restore the random states saved by `rng_state`."
     torch.set_rng_state(tensors['rng.torch'])
-    cuda = sorted((k for k in tensors if k.startswith('rng.cuda.')), key=lambda k: int(k.rsplit('.', 1)[1]))
-    if cuda and torch.cuda.is_available(): torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
-    if 'rng.mps' in tensors and torch.backends.mps.is_available(): torch.mps.set_rng_state(tensors['rng.mps'])
+    device = None if device is None else torch.device(device)
+    if device is not None and device.type == 'cuda':
+        s = tensors.get('rng.cuda', tensors.get(f'rng.cuda.{device.index or 0}'))   # (files before 2026-11-28: one per visible GPU)
+        if s is not None: torch.cuda.set_rng_state(s, device)
+    if device is not None and device.type == 'mps' and 'rng.mps' in tensors: torch.mps.set_rng_state(tensors['rng.mps'])
     version, state, gauss = js['python']; random.setstate((version, tuple(state), gauss))
     name, keys, pos, has_gauss, cached = js['numpy']; np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 

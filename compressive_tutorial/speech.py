@@ -604,7 +604,7 @@ def plot_audio(wave, # (N,) waveform in [-1, 1] (tensor or array)
               ):
     "A waveform and its spectrogram, one above the other."
     import matplotlib.pyplot as plt
-    wave = np.asarray(wave, dtype=np.float32)
+    wave = np.asarray(wave.detach().cpu() if torch.is_tensor(wave) else wave, dtype=np.float32)
     if axs is None: _, axs = plt.subplots(2, 1, figsize=(10, 3.6), sharex=True, gridspec_kw=dict(height_ratios=[1, 2]))
     axs[0].plot(np.arange(len(wave)) / sample_rate, wave, lw=0.3); axs[0].set(ylim=(-1, 1), ylabel='amplitude', title=title)
     axs[1].specgram(wave, NFFT=512, Fs=sample_rate, noverlap=384, cmap='magma', vmin=-130)

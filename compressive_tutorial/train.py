@@ -216,6 +216,7 @@ def evaluate(model:nn.Module, # a model of the package's interface
     shard = shard and world > 1 and getattr(loader, 'batch_size', 0) % world == 0   # else: every rank reads everything
     was_training = model.training; model.eval()
     nats, n_tok, state = 0.0, 0, None
+    wide = torch.float32 if dev.type == 'mps' else torch.float64                 # the sum's dtype (MPS has no float64)
     try:
         for i, b in enumerate(loader):
             if max_batches is not None and i >= max_batches: break
@@ -224,8 +225,9 @@ def evaluate(model:nn.Module, # a model of the package's interface
             x, y = b.x.to(dev), b.y.to(dev)                                       # (B, T)
             reset = None if b.reset is None else b.reset.to(dev)                  # (B,)
             with autocast_for(dev, precision): _, loss, state = model(x, state, targets=y, reset=reset, **forward_kwargs)
-            nats += float(loss) * n; n_tok += n                                   # mean over real targets -> sum
-    finally: model.train(was_training)
+            nats = nats + loss.detach().to(wide) * n; n_tok += n                 # mean over real targets -> sum, on the device:
+    finally: model.train(was_training)                                            # no wait for the GPU each window
+    nats = float(nats)
     if shard: nats, n_tok = all_sum([nats, n_tok], dev); n_tok = int(n_tok)      # every rank gets the totals
     if n_tok == 0: raise ValueError("evaluate: the loader gave no target tokens (all -100, or no windows)")
     out = dict(loss=nats / n_tok, bpb=bits_per_byte(nats / n_tok), ppl=perplexity(nats / n_tok), tokens=n_tok, nats=nats)
@@ -410,8 +412,10 @@ class Trainer:
             if self.scaler is not None: self.scaler.update()                     # halve the scale after an overflow, or grow it
             self.n_updates += 1
         self.step += 1; self.window += 1
-        out = dict(loss=float(loss.detach()), aux=None if aux is None else float(aux.detach()),
-                   aux_layers=None if layers is None else [None if a is None else float(a) for a in layers],
+        vals = [loss, aux] + list(layers or [])                                  # to the host in one copy (one wait for a GPU)
+        got = iter(torch.stack([v.detach().to(loss.dtype) for v in vals if v is not None]).tolist())
+        host = [None if v is None else next(got) for v in vals]
+        out = dict(loss=host[0], aux=host[1], aux_layers=None if layers is None else host[2:],
                    tokens=n, grad_norm=grad_norm, skipped=int(update and not math.isfinite(grad_norm)))
         return self._reduce(out) if self.world > 1 else out
 
@@ -597,7 +601,7 @@ class Trainer:
             tensors.update(t)
             meta['state_batch_size'] = self._batch_size * self.world                 # the global batch
         meta['loader_n_s'] = getattr(self.train_loader, 'n_s', None)                # the windows `window` counts
-        t, meta['rng'] = rng_state(); tensors.update(t)
+        t, meta['rng'] = rng_state(self.device); tensors.update(t)
         return tensors, meta
 
     def save(self, path=None, # where (None: `ckpt_dir/last.safetensors`, keeping the one it replaces as last.prev)
@@ -660,7 +664,7 @@ class Trainer:
         if saved != self.precision:
             warnings.warn(f"{path or 'the checkpoint'} was trained in {saved} and resumes in {self.precision} ({self.device}): "
                           "the run goes on, but not bit for bit as it would have; set TrainConfig.precision to keep it")
-        set_rng_state(tensors, meta['rng'])
+        set_rng_state(tensors, meta['rng'], self.device)
         self.checkpoint = None if path is None else (Path(path), self.step)
         return self
 
@@ -726,7 +730,7 @@ def top_p_filter(logits:Tensor, # (..., V)
 def sample_next(logits:Tensor, # (B, V) next-token logits
                 temperature:float=1.0, # 0: greedy argmax
                 top_k:int|None=None, top_p:float|None=None,
-                generator:torch.Generator|None=None # on the logits' device
+                generator:torch.Generator|None=None # a seeded generator; on another device than the logits (a CPU one for a CUDA model) the draw happens on its device
                ) -> Tensor: # (B,) token ids
     "Draw one token per row: temperature, then top-k, then nucleus."
     if temperature < 0: raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
@@ -734,7 +738,10 @@ def sample_next(logits:Tensor, # (B, V) next-token logits
     logits = logits.float() / temperature
     if top_k is not None: logits = top_k_filter(logits, top_k)
     if top_p is not None: logits = top_p_filter(logits, top_p)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)   # (B,)
+    probs = logits.softmax(-1)                                                  # (B, V)
+    if generator is not None and generator.device != probs.device:              # where the generator is: one copy a token
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)         # (B,)
 
 # %% ../nbs/06_training.ipynb #4d3f0719
 def _model_window(model) -> int:
@@ -749,7 +756,7 @@ def sample(model:nn.Module, # a model of the package's interface
            temperature:float=1.0, # 0: greedy
            top_k:int|None=None, # keep the k most likely tokens
            top_p:float|None=None, # nucleus: keep the smallest set with mass >= p (the paper's App. E: 0.98)
-           generator:torch.Generator|None=None, # a seeded generator (on the model's device) reproduces a sample
+           generator:torch.Generator|None=None, # a seeded generator reproduces a sample (on the CPU for a GPU model: drawn there)
            window:int|None=None, # tokens per committed window (None: the model's n_s)
            precision:str='auto' # as the model was trained: 'auto' (`choose_precision`), 'bf16', 'fp16' or 'fp32'
           ) -> Tensor: # (n,) or (B, n) the generated ids

@@ -483,8 +483,8 @@ def reach_from_visibility(A:Tensor, # (S, S) bool: True where one layer's query 
     "Farthest dependency through `n_layers` stacked layers: the largest q - p in the `reachability` of A."
     R = reachability(A, n_layers)
     S = A.shape[0]
-    q = torch.arange(S)[:, None].expand(S, S)
-    p = torch.arange(S)[None, :].expand(S, S)
+    q = torch.arange(S, device=A.device)[:, None].expand(S, S)
+    p = torch.arange(S, device=A.device)[None, :].expand(S, S)
     return int(((q - p) * R).max())
 
 def dependency_reach(n_layers:int, n_s:int, n_m:int, S:int|None=None) -> int:

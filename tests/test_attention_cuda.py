@@ -1,6 +1,6 @@
 """GPU checks that run without nbdev (the GPU machine has none): fused (SDPA and FlexAttention) against explicit attention on CUDA (fp32 and bf16),
 the fused kernel with the in-place shift's strided mask, the cached inference path, the reused projections of the
-reconstruction loss, the host syncs of a training window, and a short form of the GPU benchmark.
+reconstruction loss, the host syncs of a training window, sampling with a CPU generator, and a short form of the GPU benchmark.
 Every test here skips cleanly on a machine without CUDA."""
 import traceback, warnings
 from dataclasses import replace
@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from compressive_tutorial.attention import RelativeMultiHeadAttention, attention_mask, shift_masked, shift_masked_
 from compressive_tutorial.model import CTConfig, CompressiveTransformer, layer_compression_loss
+from compressive_tutorial.train import sample
+from compressive_tutorial.xl import reach_from_visibility, xl_equivalent_mask
 from compressive_tutorial.bench import BENCH_GPU, run_benchmark, report
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
@@ -127,6 +129,16 @@ def test_a_training_window_syncs_once():
     ours = [s for s in stacks if any('compressive_tutorial' in f.filename or f.name == 'backward' for f in s)]
     where = lambda s: ' <- '.join(f'{f.filename.split("site-packages/")[-1]}:{f.lineno}' for f in s[::-1][:4])
     assert len(ours) == 2, f'{len(ours)} syncs in the model, expected 1 per window: ' + '; '.join(map(where, stacks))
+
+
+def test_sampling_with_a_cpu_generator_and_cuda_helpers():
+    "A CUDA model samples with a CPU generator (as notebook 06's examples make one): reproducibly, drawn on the CPU; the reach of a CUDA mask."
+    model = _ct().eval()
+    prompt = torch.randint(0, 64, (2, 5), device=DEV)
+    a, b = (sample(model, prompt, 12, generator=torch.Generator().manual_seed(3)) for _ in range(2))
+    assert a.device.type == 'cuda' and torch.equal(a, b)
+    A = xl_equivalent_mask(40, 4, 8)
+    assert reach_from_visibility(A.to(DEV), 2) == reach_from_visibility(A, 2)
 
 
 def test_gpu_benchmark_smoke():
