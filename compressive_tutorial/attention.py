@@ -390,12 +390,13 @@ def hooks_key(*mods:nn.Module) -> tuple:
     return tuple((tuple(m._forward_pre_hooks), tuple(m._forward_hooks)) for m in mods)
 
 def has_hooks(*mods:nn.Module) -> bool:
-    "Whether a forward hook is registered on any of these modules (code that bypasses a module's call for speed must call it then)."
-    return any(m._forward_pre_hooks or m._forward_hooks for m in mods)
+    "Whether a hook (forward or backward) is registered on any of these modules: code that bypasses a module's call for speed must call it then."
+    return any(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks for m in mods)
 
 def weights_key(*ps:Tensor) -> tuple:
     "Identity of weights, for a value computed from them and kept: each one's object, storage and in-place version, and the optimiser steps taken in this process (a fused step leaves the versions as they were)."
-    return tuple((_uid(p), p.data_ptr(), -1 if p.is_inference() else p._version) for p in ps) + (_STEPS[0],)   # (an inference tensor has no version)
+    return tuple((_uid(p), p.data_ptr(), object() if p.is_inference() else p._version) for p in ps) + (_STEPS[0],)   # (an inference
+                                                                                # tensor keeps no version: a key that never matches, nothing kept)
 
 # %% ../nbs/01_attention.ipynb #0e1658c3
 def reversed_sinusoid(K:int, # keys: distances K-1 .. 0

@@ -91,7 +91,8 @@ def set_rng_state(tensors:dict, # the tensors from `rng_state`
     torch.set_rng_state(tensors['rng.torch'])
     device = None if device is None else torch.device(device)
     if device is not None and device.type == 'cuda':
-        s = tensors.get('rng.cuda', tensors.get(f'rng.cuda.{device.index or 0}'))   # (files before 2026-11-28: one per visible GPU)
+        i = torch.cuda.current_device() if device.index is None else device.index
+        s = tensors.get('rng.cuda', tensors.get(f'rng.cuda.{i}'))            # (files before 2026-11-28: one per visible GPU)
         if s is not None: torch.cuda.set_rng_state(s, device)
     if device is not None and device.type == 'mps' and 'rng.mps' in tensors: torch.mps.set_rng_state(tensors['rng.mps'])
     version, state, gauss = js['python']; random.setstate((version, tuple(state), gauss))

@@ -333,8 +333,8 @@ class CompressiveTransformer(TransformerXL):
                     usage, age, n_m:int, n_cm:int, need_probs:bool) -> tuple:
         "One layer, n steps: attend over [cm; m; open window; h]; once the window is complete, evict, compress, push. (h', m, cm, window, usage, age, aux)"
         layer, CM, P = self.layers[i], cm.length, window.length
-        cache = self._use_cache()
-        tag = layer.kv_tag() if cache else None                              # the weights behind the keys/values kept this window
+        tag = layer.kv_tag() if self._use_cache() else None                  # the weights behind the keys/values kept this window
+        cache = tag is not None                                              # (None: keep none, e.g. while the layer has hooks)
         r = self._attend(layer, h, [cm, m, window], first, tag, need_probs)  # 5-7, 12. out (B, n, d); k, v over [cm; m; window; h]
         p = r.probs                                                          # (B, H, n, CM+M+P+n) or None
         if self.record_attention: self.attention_records[i] = AttentionRecord(self._own(p.detach()), CM, m.length, h.shape[1], P)

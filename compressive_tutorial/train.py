@@ -413,7 +413,8 @@ class Trainer:
             self.n_updates += 1
         self.step += 1; self.window += 1
         vals = [loss, aux] + list(layers or [])                                  # to the host in one copy (one wait for a GPU)
-        got = iter(torch.stack([v.detach().to(loss.dtype) for v in vals if v is not None]).tolist())
+        wide = torch.float32 if loss.device.type == 'mps' else torch.float64   # (values may be floats, or tensors of one element)
+        got = iter(torch.stack([torch.as_tensor(v, device=loss.device).detach().reshape(()).to(wide) for v in vals if v is not None]).tolist())
         host = [None if v is None else next(got) for v in vals]
         out = dict(loss=host[0], aux=host[1], aux_layers=None if layers is None else host[2:],
                    tokens=n, grad_norm=grad_norm, skipped=int(update and not math.isfinite(grad_norm)))
@@ -474,7 +475,7 @@ class Trainer:
             kept = f"the checkpoint {path} (step {at:,}) is kept as it was"
             if rollback and own:
                 try: kept = self._roll_back(path, at, updates) or kept
-                except CheckpointError as e:                                        # damaged: the divergence is still the news
+                except (CheckpointError, OSError) as e:                             # damaged or gone: the divergence is still the news
                     kept = f"the checkpoints were left as they are, since one of them could not be read ({e})"
         return NonFiniteError(f"training diverged at step {step:,}: {what} (learning rate {lr_at(step, self.cfg):.3g}); "
                               f"{kept}. Lower lr_max (or clip_norm), or check the data, and train again")
