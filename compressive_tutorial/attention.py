@@ -211,12 +211,13 @@ class MultiHeadAttention(nn.Module):
 
 # %% ../nbs/01_attention.ipynb #70e2ee91
 def sinusoid_embedding(pos:Tensor, # (L,) distances (any numeric dtype)
-                       d:int # embedding width, even
-                      ) -> Tensor: # (L, d) float32: [sin(pos w_f) | cos(pos w_f)]
+                       d:int, # embedding width, even
+                       dtype=torch.float32 # computed in this dtype (float64 for a float64 model)
+                      ) -> Tensor: # (L, d): [sin(pos w_f) | cos(pos w_f)]
     "Sinusoidal encoding $R$ of distances, sines then cosines, frequencies $10000^{-2f/d}$."
     if d % 2: raise ValueError(f"the sinusoid width d={d} must be even (half sines, half cosines): use an even d_model.")
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, device=pos.device, dtype=torch.float32) / d))  # (d/2,)
-    ang = pos.float()[:, None] * inv_freq[None, :]    # (L, d/2)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, device=pos.device, dtype=dtype) / d))  # (d/2,)
+    ang = pos.to(dtype)[:, None] * inv_freq[None, :]  # (L, d/2)
     return torch.cat([ang.sin(), ang.cos()], -1)     # (L, d)
 
 # %% ../nbs/01_attention.ipynb #7e8a391d
@@ -407,7 +408,7 @@ def reversed_sinusoid(K:int, # keys: distances K-1 .. 0
     "The sinusoids $R$ that `rel_proj` projects, one row per distance from K-1 down to 0."
     pos = torch.arange(K - 1, -1, -1, device=device)
     if clamp_len is not None: pos = pos.clamp(max=clamp_len)
-    return sinusoid_embedding(pos, d).to(dtype)
+    return sinusoid_embedding(pos, d, torch.promote_types(dtype, torch.float32)).to(dtype)   # float32 at least, float64 for float64
 
 _R_TABLES = {}   # (d, clamp_len, device, dtype, inference mode) -> R of the most keys asked for so far
 
