@@ -1,10 +1,14 @@
 """Packaging for compressive_tutorial; every setting is read from settings.ini (nbdev 2)."""
 from configparser import ConfigParser
+from pathlib import Path
 
 import setuptools
 
+ini = Path(__file__).resolve().parent / "settings.ini"   # beside this file, wherever pip runs it from
+if not ini.is_file():
+    raise SystemExit(f"{ini} is missing: the package's settings live there (an sdist must include it: see MANIFEST.in)")
 config = ConfigParser(delimiters=["="])
-config.read("settings.ini", encoding="utf-8")
+config.read(ini, encoding="utf-8")
 cfg = config["DEFAULT"]
 
 licenses = {
@@ -44,7 +48,7 @@ setuptools.setup(
     install_requires=reqs("requirements"),
     extras_require=extras,
     python_requires=">=" + min_python,
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(ini.parent / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     zip_safe=False,
     entry_points={

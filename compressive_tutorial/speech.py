@@ -43,6 +43,13 @@ def torchaudio_functional():
         return taf
     except Exception: return None   # not installed, or (PyPI's CUDA build on a CPU machine) its library fails to load
 
+def _soundfile():
+    "The `soundfile` module (reads and writes WAV/FLAC), or an error that says how to install it."
+    try: import soundfile
+    except ImportError: raise ImportError("reading audio needs soundfile: pip install soundfile (it is in the package's "
+                                          "'experiments' extra)") from None
+    return soundfile
+
 def _backend(backend:str):
     "The torchaudio module to use, or None for the pure-torch fallback."
     if backend not in ('auto', 'torch', 'torchaudio'): raise ValueError(f"backend={backend!r}: use 'auto', 'torch' or 'torchaudio'")
@@ -108,7 +115,7 @@ def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
               max_clipped:float|None=1e-3, # refuse a clip with more than this fraction of its samples at full scale (None: accept)
              ) -> Tensor: # (N,) float32 waveform in [-1, 1]
     "One mono clip as a float waveform at `sample_rate`, or an error that names the file and the fix."
-    import soundfile as sf
+    sf = _soundfile()
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f'{path}: no such file. Check the folder, or download the corpus again.')
     try: x, sr = sf.read(str(path), dtype='float32', always_2d=True)            # (N, channels)
@@ -207,7 +214,7 @@ LJSPEECH_HELD = HeldClips('LJ002-0200', 385, '8246d5894017eef34aa728e7466d0a09ee
 
 def pcm_sha256(paths) -> str:
     "Hex sha256 of the 16-bit samples of audio files, in order: the same for a WAV and its lossless FLAC copy."
-    import soundfile as sf
+    sf = _soundfile()
     h = hashlib.sha256()
     for p in paths: h.update(np.ascontiguousarray(sf.read(str(p), dtype='int16')[0], dtype='<i2').tobytes())
     return h.hexdigest()
@@ -219,7 +226,7 @@ def verify_ljspeech(folder, # an extracted LJ Speech folder (metadata.csv, wavs/
                     held:HeldClips|None=LJSPEECH_HELD, # clips whose samples must match the shared copy (None: no check)
                    ) -> dict: # what was checked
     "Check an extracted LJ Speech folder: every listed clip present, their number, rate and duration, and the held clips' samples."
-    import soundfile as sf
+    sf = _soundfile()
     clips = ljspeech_clips(folder)                                              # every listed clip has its audio
     if n_clips is not None and len(clips) != n_clips:
         raise ValueError(f'{folder} lists {len(clips):,} clips, but LJ Speech 1.1 has {n_clips:,}: this is another version '
