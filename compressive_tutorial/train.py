@@ -776,13 +776,12 @@ def sample(model:nn.Module, # a model of the package's interface
         n_full = (ids.shape[1] - 1) // window                                   # whole windows, leaving 1..window tokens
         for w in range(n_full):                                                 # 1. prime: commit window after window
             with autocast_for(dev, precision): _, _, state = model(ids[:, w * window:(w + 1) * window], state)
-        pending, out = ids[:, n_full * window:], []                             # (B, P) the open window, 1 <= P <= window
-        for _ in range(n):                                                      # 2. generate
+        pending, res = ids[:, n_full * window:], ids.new_empty(ids.shape[0], n)  # (B, P) the open window, 1 <= P <= window
+        for i in range(n):                                                      # 2. generate
             with autocast_for(dev, precision): logits, _, after = model(pending, state)            # (B, P, V) rerun the open window
             tok = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
-            out.append(tok)
+            res[:, i] = tok                                                     # (no list of n small tensors kept alive)
             if pending.shape[1] == window: state, pending = after, tok[:, None]  # window full: commit, open a new one
             else: pending = torch.cat([pending, tok[:, None]], 1)              # (B, P+1)
     finally: model.train(was_training)
-    res = torch.stack(out, 1) if out else ids.new_zeros(ids.shape[0], 0)        # (B, n)
-    return res[0] if prompt_ids.dim() == 1 else res
+    return res[0] if prompt_ids.dim() == 1 else res                             # (n,) or (B, n)
