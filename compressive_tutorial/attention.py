@@ -376,7 +376,8 @@ def attend_flex(q:Tensor, # (B, H, T, d_h) queries, already scaled, e.g. (q+u)/s
 _STEPS = [0]   # optimiser steps taken in this process, by any torch.optim.Optimizer
 
 def _count_step(opt, args, kwargs): _STEPS[0] += 1
-register_optimizer_step_post_hook(_count_step)                          # PyTorch calls it after every optimiser's step
+if globals().get('_STEP_HOOK') is not None: _STEP_HOOK.remove()        # a reload (autoreload) drops the last import's hook
+_STEP_HOOK = register_optimizer_step_post_hook(_count_step)             # PyTorch calls it after every optimiser's step
 
 _UIDS = itertools.count(int.from_bytes(os.urandom(6), 'big') << 16)   # a random start: a tensor pickled in another process keeps its number
 
