@@ -391,9 +391,9 @@ def hooks_key(*mods:nn.Module) -> tuple:
     "The forward hooks registered on these modules, by handle number: for a value computed through them and kept, since a hook may change what a module computes without touching a weight. (Global module hooks are left out: tools such as the FLOP counter register them to watch every module, not to change one.)"
     return tuple((tuple(m._forward_pre_hooks), tuple(m._forward_hooks)) for m in mods)
 
-def has_hooks(*mods:nn.Module) -> bool:
-    "Whether a hook (forward or backward) is registered on any of these modules: code that bypasses a module's call for speed must call it then."
-    return any(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks for m in mods)
+def has_hooks(*mods:nn.Module, backward:bool=True) -> bool:
+    "Whether a forward hook (or, with `backward`, a backward hook) is registered on any of these modules: code that bypasses a module's call for speed must call it then."
+    return any(m._forward_pre_hooks or m._forward_hooks or (backward and (m._backward_pre_hooks or m._backward_hooks)) for m in mods)
 
 try: from torch._C._functorch import is_functorch_wrapped_tensor as _in_func   # a tensor inside torch.func.vmap or grad
 except ImportError: _in_func = lambda t: False

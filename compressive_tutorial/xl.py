@@ -165,7 +165,7 @@ class XLLayer(nn.Module):
 
     def kv_tag(self) -> tuple|None:
         "Identity of what `project_memory` computes with: the weights (`weights_key`: any optimiser step or `load_state_dict` changes it, a write through `p.data` does not), the hooks around those modules (`hooks_key`), and the autocast dtype keys are made in. None (keep nothing) while hooks run around the layer or its attention: a pre-hook there could change the input the window's keys are made from, and the window's keys become the memory's."
-        if has_hooks(self, self.attn): return None
+        if has_hooks(self, self.attn, backward=False): return None        # (a backward hook changes no forward value)
         mods = [self.attn.k, self.attn.v] + ([self.ln1] if self.pre_ln else [])
         ps = [self.attn.k.weight, self.attn.v.weight] + ([self.ln1.weight, self.ln1.bias] if self.pre_ln else [])
         dev = ps[0].device.type
