@@ -284,8 +284,13 @@ def shift_masked(x:Tensor, # (..., T, K) scores against reversed distances (colu
                 ) -> Tensor: # (..., T, K) contiguous, equal to rel_shift(x) where mask, -inf elsewhere
     "`rel_shift(x).masked_fill(~mask, -inf)` in one pass: the shift is a strided view of `x`, not a padded copy (so the mask must hide every key above the causal boundary, where the view reads the next row)."
     if x.shape[-1] < x.shape[-2]: raise ValueError(f"shift_masked needs K >= T keys, got x of shape {tuple(x.shape)}.")
-    if torch.compiler.is_compiling(): return rel_shift(x).masked_fill(~mask, float('-inf'))   # the compiler fuses these itself
+    if torch.compiler.is_compiling() or _func_transforms_active():      # the compiler fuses these itself; torch.func's
+        return rel_shift(x).masked_fill(~mask, float('-inf'))           # grad, vmap, jvp transform plain operations only
     return _ShiftMasked.apply(x, mask)
+
+def _func_transforms_active() -> bool:
+    "Whether a `torch.func` transform (grad, vmap, jvp, ...) is running: our autograd.Function has no rule for them."
+    return torch._C._are_functorch_transforms_active()
 
 def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d_h)
                   k:Tensor, # (B, H, K, d_h) keys
@@ -300,7 +305,7 @@ def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d
     B, H, T, dh = q.shape                                            # CPU: one GEMM adds q k^T to the bias, then softmax, then p v
     K = k.shape[2]
     qk = q.reshape(B * H, T, dh), k.reshape(B * H, K, dh).transpose(1, 2)
-    if overwrite and not torch.is_grad_enabled() and bias.shape == (B, H, T, K) and bias.is_contiguous() and not torch.compiler.is_compiling():
+    if overwrite and not torch.is_grad_enabled() and bias.shape == (B, H, T, K) and bias.is_contiguous() and not (torch.compiler.is_compiling() or _func_transforms_active()):
         s = bias.view(B * H, T, K).baddbmm_(*qk)                     # evaluation: no copy of the bias, softmax in place
         p = torch.softmax(s, -1, out=s)
     else: p = torch.baddbmm(bias.expand(B, H, T, K).reshape(B * H, T, K), *qk).softmax(-1)   # a row always keeps its own key

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from .attention import _func_transforms_active
 from .compress import COMPRESSORS, Compressor
 
 # %% ../nbs/04_compression_losses.ipynb #a07aa553
@@ -104,7 +105,8 @@ def projected_reconstruction_loss(q:Tensor, # (B, H, n_s, d_h) the layer's queri
         qs = flat(q * s)                                                 # the scale on the queries, once
         with torch.no_grad():
             a = torch.bmm(qs, flat(k_old).transpose(1, 2))               # (BH, n_s, n_old) scores, no graph
-            target = torch.bmm(torch.softmax(a, -1, out=a), flat(v_old)) # (BH, n_s, d_h): softmax over its own scores
+            p = a.softmax(-1) if _func_transforms_active() else torch.softmax(a, -1, out=a)   # in place (torch.func can't)
+            target = torch.bmm(p, flat(v_old))                           # (BH, n_s, d_h)
         recon = torch.bmm(torch.bmm(qs, flat(k_c).transpose(1, 2)).softmax(-1), flat(v_c))   # (BH, n_s, d_h)
     return F.mse_loss(recon, target)                                     # 3. the same mean over (B, n_s, d) entries
 

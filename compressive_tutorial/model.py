@@ -191,10 +191,10 @@ class AttentionRecord:
 
 # %% ../nbs/05_compressive_transformer.ipynb #5255c71c
 def qualifying_streams(old:Memory # (B, n, d) the memories a layer evicted
-                      ) -> tuple: # (rows: (B,) bool, True where every evicted slot is valid; n: how many rows are True)
+                      ) -> tuple: # (rows: (n,) long, the streams whose every evicted slot is valid; n: how many)
     "The streams whose evicted memories the auxiliary loss reads. One host sync (for `n`): every layer evicts the same streams' states, so the model checks once a window."
-    rows = old.valid.all(1)                                              # (B,)
-    return rows, int(rows.sum())
+    rows = old.valid.all(1).nonzero().squeeze(1)                         # (n,): the one sync; selecting by index needs none
+    return rows, len(rows)
 
 def layer_compression_loss(layer:XLLayer, # the layer whose memories were compressed (its attention; its ln1 if pre-LN)
                            h:Tensor, # (B, T, d) the layer's input window
@@ -210,7 +210,7 @@ def layer_compression_loss(layer:XLLayer, # the layer whose memories were compre
     if kind in (CompressionLoss.BPTT, CompressionLoss.NONE) or new_cm.shape[1] == 0: return None
     rows, n = qualifying_streams(old) if streams is None else streams
     if n == 0: return None
-    if n < rows.numel():
+    if n < len(h):
         h, old_mem, new_cm = h[rows], old.mem[rows], new_cm[rows]
         if proj is not None: proj = tuple(t[rows] for t in proj)
     else: old_mem = old.mem
