@@ -341,10 +341,10 @@ def rel_score_mod(pos:Tensor, # (B, H, T, K) scores against reversed distances (
                  ): # FlexAttention's score_mod(score, b, h, i, j)
     "The relative term as FlexAttention's `score_mod`: each score plus `rel_shift(pos)` read by index, -inf where `mask` is False."
     B, H, T, K = pos.shape
-    mask = mask.expand(B, 1, T, K)                                    # one row per stream: a view, nothing copied
-    def score_mod(score, b, h, i, j):
+    mask = mask.expand(B, 1, T, K)[:, 0]                              # (B, T, K) one row per stream: a view, nothing copied
+    def score_mod(score, b, h, i, j):                                 # (indices: tensors only; PyTorch 2.9 cannot trace mask[b, 0, i, j])
         col = torch.clamp(j + (T - 1) - i, max=K - 1)                 # the shift as an index (clamped where masked)
-        return torch.where(mask[b, 0, i, j], score + pos[b, h, i, col], float('-inf'))
+        return torch.where(mask[b, i, j], score + pos[b, h, i, col], float('-inf'))
     return score_mod
 
 def flex_reference(q:Tensor, # (B, H, T, d_h) queries, already scaled
