@@ -23,7 +23,8 @@ from .data import (
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
 from .train import (
-    TrainConfig, Trainer, evaluate, sample, compression_parameters, seed_everything, lr_at, hardware, init_distributed, dist_rank_world, DEVICES)
+    TrainConfig, Trainer, evaluate, sample, compression_parameters, seed_everything, lr_at, hardware, init_distributed, dist_rank_world, DEVICES,
+    PRECISIONS, choose_precision, bf16_native)
 from .train import compile_layers
 from .checkpoint import (
     TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, load_weights, folder_lock)
@@ -403,11 +404,12 @@ def run_from_args(args) -> Run:
     if args.resume:
         if out is None: raise ConfigError("--resume needs --out RUN_DIR: the folder of the run to continue")
         if args.preset or args.sets:
-            raise ConfigError("a resumed run keeps the config it started with: drop --preset/--set (only --steps and --device may change)")
+            raise ConfigError("a resumed run keeps the config it started with: drop --preset/--set (only --steps, --device and --precision may change)")
         run = Run.load(out)
         if args.device:                                                  # another machine: a device it has
             try: run.run = dataclasses.replace(run.run, device=args.device)
             except ValueError as e: raise ConfigError(f"--device {args.device}: {e}") from None
+        if args.precision: run.train = dataclasses.replace(run.train, precision=args.precision)   # e.g. fp32 where fp16 overflowed
         if args.model not in (None, run.kind): raise ConfigError(f"--model {args.model}: the run in {_q(out)} is a {run.kind} model")
         if args.corpus is not None and corpus_spec(args.corpus) != run.corpus:
             raise ConfigError(f"{_q(out)} was trained on {_q(run.corpus)}, not {_q(corpus_spec(args.corpus))}: drop CORPUS or pass the same one")
@@ -433,7 +435,7 @@ def run_from_args(args) -> Run:
         raise ConfigError("which corpus? `ct train enwik8`, `ct train books`, `ct train FOLDER` or `ct train FILE.txt`" +
                           (f" ({stray[0]!r} was read as a --set item: put the corpus before --set)" if stray else ''))
     kind, preset = args.model or 'ct', args.preset or 'cpu-tiny'
-    sets = list(args.sets) + ([f'device={args.device}'] if args.device else [])
+    sets = list(args.sets) + ([f'device={args.device}'] if args.device else []) + ([f'precision={args.precision}'] if args.precision else [])
     mcfg, tcfg, rcfg = build_configs(kind, preset, sets, args.steps)
     fixed = tuple(k for k in SCHEDULE if any(s.partition('=')[0].strip() == k for s in sets))
     out = out or Path('runs')/f'{corpus_name(args.corpus)}-{kind}-{preset}'
@@ -444,10 +446,12 @@ def run_from_args(args) -> Run:
                           f"{world * windows_per_call(mcfg)} (change it with --set batch_size=...)")
     return Run(out, kind, preset, corpus_spec(args.corpus), mcfg, tcfg, rcfg, fixed)
 
-def _finite(res:dict, what:str) -> dict:
+def _finite(res:dict, what:str, precision:str) -> dict:
     "An evaluation, refused if its loss is not finite: NaN is never reported as a result."
     if not math.isfinite(res['loss']):
-        raise ValueError(f"{what} gives a loss of {res['loss']} on this data: there is no result to report")
+        hint = (": fp16's range (65,504) may be too small for its activations; evaluate in fp32 with --precision fp32"
+                if precision == 'fp16' else "")
+        raise ValueError(f"{what} gives a loss of {res['loss']} on this data in {precision}{hint}: there is no result to report")
     return res
 
 def train_run(run:Run, # the run: its folder and configs (`run_from_args`)
@@ -481,7 +485,7 @@ def train_run(run:Run, # the run: its folder and configs (`run_from_args`)
         if row.get('step') == trainer.step and 'valid_bpb' in row:
             _say(f"  step {trainer.step:,}: valid bits per byte {row['valid_bpb']:.4f} ({_windows_read(run.train.eval_batches, valid_dl)})")
     train_rows = [h for h in trainer.history if 'bpb' in h]
-    res = _finite(trainer.evaluate(max_batches=R.valid_batches), 'the trained model')  # 4. the final validation
+    res = _finite(trainer.evaluate(max_batches=R.valid_batches), 'the trained model', trainer.precision)  # 4. the final validation
     wall = time.perf_counter() - t0
     valid = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in res.items()}   # ppl may overflow: null
     span = [train_rows[-1]['step'] - run.train.log_every + 1, train_rows[-1]['step']] if train_rows else None   # the last row's iterations
@@ -554,7 +558,8 @@ def eval_command(args, download=download_file) -> int:
     loader = _loader(corpora[args.split], args.split, B, run.model.n_s, 'pass fewer streams with --batch-size')
     kw = {} if args.n_cm is None else dict(n_cm=args.n_cm)
     t0 = time.perf_counter()
-    with _threads(run.run.threads): res = _finite(evaluate(model, loader, mem_len=args.n_m, max_batches=args.batches, precision=run.train.precision, **kw), f"the model of {_q(run.path)}")
+    precision = choose_precision(device, args.precision or run.train.precision)
+    with _threads(run.run.threads): res = _finite(evaluate(model, loader, mem_len=args.n_m, max_batches=args.batches, precision=precision, **kw), f"the model of {_q(run.path)}", precision)
     mem = f"n_m={run.model.n_m if args.n_m is None else args.n_m}"
     if run.kind == 'ct': mem += f", n_cm={run.model.n_cm if args.n_cm is None else args.n_cm}"
     part = _windows_read(args.batches, loader)
@@ -673,6 +678,10 @@ def bench_config(args) -> BenchConfig:
         src = '--set device' if 'device' in over else f'the {preset} preset'
         raise ConfigError(f"device={cfg.device} ({src}) needs CUDA, and there is none here: use --preset cpu (or --set device=cpu)")
     _device(cfg.device, '--set device=')                               # a GPU or mps this machine does not have
+    if cfg.dtype == 'bfloat16' and cfg.device.startswith('cuda') and not bf16_native(cfg.device):   # a T4: bf16 only emulated
+        if 'dtype' in over: raise ConfigError(f"--set dtype=bfloat16: {torch.cuda.get_device_name(cfg.device)} has no bf16 units, so "
+                                              "the benchmark would time an emulation: use --set dtype=float16")
+        cfg = dataclasses.replace(cfg, dtype='float16')                 # the precision training takes there (fp16 peak for the MFU)
     return cfg
 
 def bench_command(args, download=None) -> int:
@@ -727,6 +736,7 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument('--out', metavar='DIR', help='the run folder (default runs/CORPUS-MODEL-PRESET); one run at a time may use it')
     t.add_argument('--resume', action='store_true', help="continue the run in --out exactly where its checkpoint stopped (Ctrl-C or SIGTERM writes one and prints this command)")
     t.add_argument('--device', help="'auto', 'cpu', 'cuda', 'cuda:N' or 'mps' (the same as --set device=...; with --resume, the device to go on with)")
+    t.add_argument('--precision', choices=PRECISIONS, help="the same as --set precision=...; with --resume, the precision to go on with (e.g. fp32 where fp16 overflowed)")
     t.add_argument('--cache', metavar='DIR', help="where Enwik8 is cached (default data/ at the repo root, or $CT_CACHE_DIR)")
     t.set_defaults(func=train_command)
 
@@ -738,6 +748,7 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument('--batches', type=_int_at_least(1), help='evaluate only the first N windows (default: the whole split)')
     e.add_argument('--batch-size', type=_int_at_least(1), help='streams (default: the run\'s eval_batch_size)')
     e.add_argument('--device', help="default: the run's device setting")
+    e.add_argument('--precision', choices=PRECISIONS, help="default: the run's precision setting")
     e.add_argument('--cache', metavar='DIR', help='where Enwik8 is cached')
     e.set_defaults(func=eval_command)
 

@@ -401,7 +401,7 @@ class Trainer:
         if train_aux: torch.autograd.backward(scaled(aux * (aux_share / k)), inputs=self.comp_params)
         average_grads(self.comp_params, self.world, self.device)                 # outside DDP: averaged here
         layers = getattr(model, 'aux_losses', None)                              # per-layer values, for the history
-        grad_norm = None
+        grad_norm, skipped = None, False
         if update:
             lr = lr_at(self.step, cfg)
             groups = [(self.opt, self.params, lr)] + ([(self.copt, self.comp_params, lr * cfg.compression_lr_scale)] if self.copt is not None else [])
@@ -409,6 +409,8 @@ class Trainer:
             for (opt, _, lr_g), norm in zip(groups, norms):
                 if norm is not None: self._step(opt, lr_g)                   # None: no gradient yet (f_c before its first compression)
             grad_norm = 0.0 if norms[0] is None else norms[0]
+            skipped = any(n is not None and not math.isfinite(n) for n in norms)   # fp16: the scaler skipped a group's step
+            self.n_skipped += skipped
             if self.scaler is not None: self.scaler.update()                     # halve the scale after an overflow, or grow it
             self.n_updates += 1
         self.step += 1; self.window += 1
@@ -417,7 +419,7 @@ class Trainer:
         got = iter(torch.stack([torch.as_tensor(v, device=loss.device).detach().reshape(()).to(wide) for v in vals if v is not None]).tolist())
         host = [None if v is None else next(got) for v in vals]
         out = dict(loss=host[0], aux=host[1], aux_layers=None if layers is None else host[2:],
-                   tokens=n, grad_norm=grad_norm, skipped=int(update and not math.isfinite(grad_norm)))
+                   tokens=n, grad_norm=grad_norm, skipped=int(skipped))
         return self._reduce(out) if self.world > 1 else out
 
     def _aux_share(self, rows # the streams this rank's aux loss averaged over in this window (0: none; a model without `aux_rows`: 1)
@@ -455,8 +457,7 @@ class Trainer:
         if not math.isfinite(norm):                                          # before any step: the weights stay finite
             if self.scaler is None or self.scaler.get_scale() <= 1:          # not a scaled overflow: the run diverged
                 raise self._diverged(f'the gradient norm is {norm}' + (' even without loss scaling' if self.scaler else ''), self.step, self.n_updates)
-            self.n_skipped += opt is self.opt                                # fp16 overflow: the scaler skips it, halves the scale
-        return norm
+        return norm                                                          # (an fp16 overflow: the scaler skips this group's step)
 
     def _step(self, opt, lr:float):
         "Set the group's learning rate, step, clear its gradients."
@@ -465,7 +466,22 @@ class Trainer:
         else: opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def _diverged(self, what:str, step:int, updates:int, rollback:bool=True) -> NonFiniteError:
+    def _finite_in_fp32(self, batch, state) -> bool:
+        "Whether the window `batch` after the memories `state` gives a finite loss (and auxiliary loss) in fp32, without gradients; under DDP, on every rank."
+        batch = shard_batch(batch, self.rank, self.world)
+        x, y = batch.x.to(self.device), batch.y.to(self.device)
+        reset = None if batch.reset is None else batch.reset.to(self.device)
+        record = getattr(self.model, 'record_aux', None)                      # a CT computes its aux loss without gradients only so
+        if record is not None: self.model.record_aux = True
+        try:
+            with torch.no_grad(): _, loss, _ = self.model(x, state, targets=y, reset=reset)
+        finally:
+            if record is not None: self.model.record_aux = record
+        aux = getattr(self.model, 'aux_loss', None)
+        bad = not (math.isfinite(float(loss)) and (aux is None or math.isfinite(float(aux))))
+        return not (all_sum([bad], self.device)[0] if self.world > 1 else bad)
+
+    def _diverged(self, what:str, step:int, updates:int, rollback:bool=True, fix:str|None=None) -> NonFiniteError:
         "The error that stops a run diverged at iteration `step`, with the weights of its `updates`-th update. Checkpoints that hold those very weights (written since that update) are rolled back first, if they are this run's own `ckpt_dir/last.safetensors` (never a file it was resumed from elsewhere) and the one kept before it."
         kept = "no checkpoint was written"
         if self.checkpoint is not None and self.rank != 0: kept = "rank 0 handles the checkpoint"
@@ -477,6 +493,7 @@ class Trainer:
                 try: kept = self._roll_back(path, at, updates) or kept
                 except (CheckpointError, OSError) as e:                             # damaged or gone: the divergence is still the news
                     kept = f"the checkpoints were left as they are, since one of them could not be read ({e})"
+        if fix is not None: return NonFiniteError(f"training stopped at step {step:,}: {what}; {kept}. {fix}")
         return NonFiniteError(f"training diverged at step {step:,}: {what} (learning rate {lr_at(step, self.cfg):.3g}); "
                               f"{kept}. Lower lr_max (or clip_norm), or check the data, and train again")
 
@@ -537,10 +554,16 @@ class Trainer:
         stopping = None                                                     # the signal all ranks agreed on (never stop.signum itself)
         try:
             while self.step < steps and stopping is None:
-                updates = self.n_updates                                     # behind the weights this window uses
-                out = self.train_step(self._next_batch())
+                updates, state = self.n_updates, self.state                  # behind the weights and memories this window uses
+                batch = self._next_batch()
+                out = self.train_step(batch)
                 for k in ('loss', 'aux'):                                    # rule 3 (the gradients: in _clip)
-                    if out[k] is not None and not math.isfinite(out[k]): raise self._diverged(f"the {k} is {out[k]}", self.step - 1, updates)
+                    if out[k] is None or math.isfinite(out[k]): continue
+                    if self.precision == 'fp16' and self._finite_in_fp32(batch, state):   # fp16's range, not the run, failed
+                        raise self._diverged(f"the {k} is {out[k]} under fp16 autocast but finite in fp32: an activation exceeds "
+                                             "fp16's range (65,504), which loss scaling cannot help", self.step - 1, updates, rollback=False,
+                                             fix="Resume in fp32 (TrainConfig.precision='fp32'; `ct train --resume --precision fp32`)")
+                    raise self._diverged(f"the {k} is {out[k]}", self.step - 1, updates)
                 self._accumulate(out)
                 due = self.ckpt_dir is not None and self._checkpoint_due()
                 stopping, due = self._agree(stop.signum, due)                # a signal arriving from here on waits for the next agreement
