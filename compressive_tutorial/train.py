@@ -338,6 +338,9 @@ class Trainer:
         self.opt = make_adam(self.params, lr=lr_at(0, self.cfg), **adam)
         self.copt = (make_adam(self.comp_params, lr=lr_at(0, self.cfg) * self.cfg.compression_lr_scale, **adam)
                      if self.comp_params else None)
+        own = getattr(getattr(model, 'compression_loss', None), 'keeps_graph', None) is False   # f_c learns from its own loss
+        self.fc_scaler = (torch.amp.GradScaler(self.device.type) if self.scaler is not None and self.copt is not None and own
+                          else self.scaler)        # fp16: that loss's gradients are far smaller than the task's: a scale of their own
         self.step, self.n_updates = 0, 0       # iterations (windows) done; updates done (§5.5.1 groups completed)
         self.n_skipped = 0                     # fp16: updates the loss scaler skipped because a gradient overflowed
         self.train_s = 0.0                     # seconds spent in `fit` up to the last checkpoint, over every session of the run
@@ -385,7 +388,7 @@ class Trainer:
         with autocast_for(self.device, self.precision):
             _, loss, self.state = self.net(x, self.state, targets=y, reset=reset)   # state: detached memories for the next window
         share = n * self.world / max(n_all, 1)                                   # DDP averages ranks: weigh each by its targets
-        scaled = (lambda t: self.scaler.scale(t)) if self.scaler is not None else (lambda t: t)   # fp16: loss scaling
+        scaled = lambda t, s: t if s is None else s.scale(t)                    # fp16: loss scaling
         aux = getattr(model, 'aux_loss', None)
         has_graph = isinstance(aux, Tensor) and aux.requires_grad
         train_aux = has_graph and self.copt is not None                          # else: a metric, only logged
@@ -395,23 +398,25 @@ class Trainer:
             self._warned_aux = True
         task_params = self.params + (self.comp_params if not train_aux else [])  # no trained aux loss (BPTT): task loss trains f_c
         keep = train_aux and not getattr(model, 'aux_graph_disjoint', False)     # a shared graph must survive the first backward
-        torch.autograd.backward(scaled(loss * (share / k)), inputs=task_params, retain_graph=keep)   # DDP averages these
+        torch.autograd.backward(scaled(loss * (share / k), self.scaler), inputs=task_params, retain_graph=keep)   # DDP averages these
         rows = (getattr(model, 'aux_rows', None) if train_aux else 0)            # the streams this rank's aux loss averaged over
         aux_share = self._aux_share(1 if rows is None else rows) if self.copt is not None else 0.0   # DDP: every rank takes part
-        if train_aux: torch.autograd.backward(scaled(aux * (aux_share / k)), inputs=self.comp_params)
+        if train_aux: torch.autograd.backward(scaled(aux * (aux_share / k), self.fc_scaler), inputs=self.comp_params)
         average_grads(self.comp_params, self.world, self.device)                 # outside DDP: averaged here
         layers = getattr(model, 'aux_losses', None)                              # per-layer values, for the history
         grad_norm, skipped = None, False
         if update:
             lr = lr_at(self.step, cfg)
-            groups = [(self.opt, self.params, lr)] + ([(self.copt, self.comp_params, lr * cfg.compression_lr_scale)] if self.copt is not None else [])
-            norms = [self._clip(opt, params) for opt, params, _ in groups]  # every group checked before any steps (rule 3)
-            for (opt, _, lr_g), norm in zip(groups, norms):
-                if norm is not None: self._step(opt, lr_g)                   # None: no gradient yet (f_c before its first compression)
+            groups = [(self.opt, self.params, lr, self.scaler)] + (
+                [(self.copt, self.comp_params, lr * cfg.compression_lr_scale, self.fc_scaler)] if self.copt is not None else [])
+            norms = [self._clip(opt, params, s) for opt, params, _, s in groups]   # every group checked before any steps (rule 3)
+            for (opt, _, lr_g, s), norm in zip(groups, norms):
+                if norm is not None: self._step(opt, lr_g, s)                # None: no gradient yet (f_c before its first compression)
             grad_norm = 0.0 if norms[0] is None else norms[0]
             skipped = any(n is not None and not math.isfinite(n) for n in norms)   # fp16: the scaler skipped a group's step
             self.n_skipped += skipped
             if self.scaler is not None: self.scaler.update()                     # halve the scale after an overflow, or grow it
+            if self.fc_scaler is not self.scaler and norms[1] is not None: self.fc_scaler.update()   # f_c's, if it stepped
             self.n_updates += 1
         self.step += 1; self.window += 1
         vals = [loss, aux] + list(layers or [])                                  # to the host in one copy (one wait for a GPU)
@@ -448,21 +453,21 @@ class Trainer:
             if i == len(a['layers']): a['layers'].append(0.0); a['n_layers'].append(0)
             if v is not None: a['layers'][i] += v; a['n_layers'][i] += 1
 
-    def _clip(self, opt, params) -> float|None:
-        "Unscale (fp16) and clip the group's total gradient norm; return it before clipping (None: no gradient); raise if the run diverged."
+    def _clip(self, opt, params, scaler) -> float|None:
+        "Unscale (fp16: with the group's `scaler`) and clip the group's total gradient norm; return it before clipping (None: no gradient); raise if the run diverged."
         if all(p.grad is None for p in params): return None
-        if self.scaler is not None: self.scaler.unscale_(opt)                # fp16: true gradients (and note any inf/NaN)
+        if scaler is not None: scaler.unscale_(opt)                          # fp16: true gradients (and note any inf/NaN)
         clip = math.inf if self.cfg.clip_norm is None else self.cfg.clip_norm  # inf: measure the norm, change nothing
         norm = float(nn.utils.clip_grad_norm_(params, clip))
         if not math.isfinite(norm):                                          # before any step: the weights stay finite
-            if self.scaler is None or self.scaler.get_scale() <= 1:          # not a scaled overflow: the run diverged
-                raise self._diverged(f'the gradient norm is {norm}' + (' even without loss scaling' if self.scaler else ''), self.step, self.n_updates)
+            if scaler is None or scaler.get_scale() <= 1:                    # not a scaled overflow: the run diverged
+                raise self._diverged(f'the gradient norm is {norm}' + (' even without loss scaling' if scaler else ''), self.step, self.n_updates)
         return norm                                                          # (an fp16 overflow: the scaler skips this group's step)
 
-    def _step(self, opt, lr:float):
-        "Set the group's learning rate, step, clear its gradients."
+    def _step(self, opt, lr:float, scaler):
+        "Set the group's learning rate, step (fp16: through its `scaler`), clear its gradients."
         for g in opt.param_groups: g['lr'] = lr
-        if self.scaler is not None: self.scaler.step(opt)                    # skipped if unscale_ saw inf/NaN
+        if scaler is not None: scaler.step(opt)                              # skipped if unscale_ saw inf/NaN
         else: opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -574,6 +579,7 @@ class Trainer:
                     if a['n_aux']: row['aux'] = a['aux'] / a['n_aux']                       # mean over iterations that had one
                     if any(a['n_layers']): row['aux_layers'] = [t / n if n else None for t, n in zip(a['layers'], a['n_layers'])]
                     if self.scaler is not None: row.update(loss_scale=self.scaler.get_scale(), skipped=a['skipped'])   # fp16
+                    if self.fc_scaler is not self.scaler: row['fc_loss_scale'] = self.fc_scaler.get_scale()
                     self.history.append(row); self._acc = self._new_acc()
                     post = dict(loss=f"{row['loss']:.3f}", bpb=f"{row['bpb']:.3f}", tok_s=f"{row['tok_s']:,.0f}")
                     if 'aux' in row: post['aux'] = f"{row['aux']:.4f}"
@@ -613,6 +619,7 @@ class Trainer:
                     model=model_meta(self.model), cfg=asdict(self.cfg), precision=self.precision, world=self.world,
                     history=self.history, acc=self._acc, skeleton={})
         if self.scaler is not None: meta['scaler'] = self.scaler.state_dict()   # fp16: the loss scale and its growth counter
+        if self.fc_scaler is not self.scaler: meta['fc_scaler'] = self.fc_scaler.state_dict()   # and f_c's own
         for name, opt in (('opt', self.opt), ('copt', self.copt)):
             if opt is not None:
                 t, meta['skeleton'][name] = flatten_tree(opt.state_dict(), name); tensors.update(t)
@@ -679,11 +686,14 @@ class Trainer:
         self.history, self._acc, self._stream = meta['history'], acc, None
         self._batch_size = None if B is None else B // self.world
         self.n_skipped, self.train_s = meta.get('n_skipped', 0), meta.get('train_s', 0.0)
-        if self.scaler is not None and 'scaler' in meta: self.scaler.load_state_dict(meta['scaler'])
-        ratio = (self.scaler.get_scale() if self.scaler is not None else 1.0) / meta.get('scaler', {}).get('scale', 1.0)
-        if ratio != 1:                                                           # pending gradients: from the saved loss scale to ours
-            for p in self.params + self.comp_params:
-                if p.grad is not None: p.grad.mul_(ratio)
+        saved = {'scaler': meta.get('scaler'), 'fc_scaler': meta.get('fc_scaler', meta.get('scaler'))}   # (older: one scale for both)
+        if self.scaler is not None and saved['scaler']: self.scaler.load_state_dict(saved['scaler'])
+        if self.fc_scaler is not self.scaler and saved['fc_scaler']: self.fc_scaler.load_state_dict(saved['fc_scaler'])
+        for params, scaler, key in ((self.params, self.scaler, 'scaler'), (self.comp_params, self.fc_scaler, 'fc_scaler')):
+            ratio = (scaler.get_scale() if scaler is not None else 1.0) / (saved[key] or {}).get('scale', 1.0)
+            if ratio != 1:                                                       # pending gradients: from the saved loss scale to ours
+                for p in params:
+                    if p.grad is not None: p.grad.mul_(ratio)
         saved = meta.get('precision', self.precision)
         if saved != self.precision:
             warnings.warn(f"{path or 'the checkpoint'} was trained in {saved} and resumes in {self.precision} ({self.device}): "

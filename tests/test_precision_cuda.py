@@ -59,7 +59,7 @@ def test_checkpoint_round_trip_is_exact(precision, tmp_path):
         a = make(precision); a.fit(10)
         b = make(precision); b.fit(6); path = b.save(tmp_path/'six.safetensors')
         c = make(precision, seed=99); c.load(path)
-        if precision == 'fp16': assert c.scaler.state_dict() == b.scaler.state_dict()
+        if precision == 'fp16': assert c.scaler.state_dict() == b.scaler.state_dict() and c.fc_scaler.state_dict() == b.fc_scaler.state_dict()
         c.fit(10)
         for (n, p), q in zip(a.model.named_parameters(), c.model.parameters()): assert torch.equal(p, q), n
         if precision == 'fp16': assert a.scaler.get_scale() == c.scaler.get_scale()
@@ -77,7 +77,7 @@ def test_fp16_group_resumes_unscaled(new, tmp_path):
     with pytest.warns(UserWarning, match='not bit for bit'): c.load(path)
     scale = b.scaler.get_scale()
     assert scale > 1 and c.scaler is None
-    for p, q in zip(b.params + b.comp_params, c.params + c.comp_params):
-        assert p.grad is not None and torch.equal(q.grad, p.grad / scale)
+    for ps, qs, s in ((b.params, c.params, b.scaler), (b.comp_params, c.comp_params, b.fc_scaler)):   # f_c: its own scale
+        for p, q in zip(ps, qs): assert p.grad is not None and torch.equal(q.grad, p.grad / s.get_scale())
     c.fit(8)                                                                  # the group's update, in the new precision
     assert all(p.grad is None for p in c.params) and c.n_updates == b.n_updates + 1
