@@ -476,7 +476,7 @@ class Trainer:
         batch = shard_batch(batch, self.rank, self.world)
         x, y = batch.x.to(self.device), batch.y.to(self.device)
         reset = None if batch.reset is None else batch.reset.to(self.device)
-        record = getattr(self.model, 'record_aux', None)                      # a CT computes its aux loss without gradients only so
+        record = getattr(self.model, 'record_aux', None)                      # a CT computes its aux loss without gradients only if asked
         if record is not None: self.model.record_aux = True
         try:
             with torch.no_grad(): _, loss, _ = self.model(x, state, targets=y, reset=reset)
@@ -686,11 +686,11 @@ class Trainer:
         self.history, self._acc, self._stream = meta['history'], acc, None
         self._batch_size = None if B is None else B // self.world
         self.n_skipped, self.train_s = meta.get('n_skipped', 0), meta.get('train_s', 0.0)
-        saved = {'scaler': meta.get('scaler'), 'fc_scaler': meta.get('fc_scaler', meta.get('scaler'))}   # (older: one scale for both)
-        if self.scaler is not None and saved['scaler']: self.scaler.load_state_dict(saved['scaler'])
-        if self.fc_scaler is not self.scaler and saved['fc_scaler']: self.fc_scaler.load_state_dict(saved['fc_scaler'])
+        scales = {'scaler': meta.get('scaler'), 'fc_scaler': meta.get('fc_scaler', meta.get('scaler'))}   # (older: one scale for both)
+        if self.scaler is not None and scales['scaler']: self.scaler.load_state_dict(scales['scaler'])
+        if self.fc_scaler is not self.scaler and scales['fc_scaler']: self.fc_scaler.load_state_dict(scales['fc_scaler'])
         for params, scaler, key in ((self.params, self.scaler, 'scaler'), (self.comp_params, self.fc_scaler, 'fc_scaler')):
-            ratio = (scaler.get_scale() if scaler is not None else 1.0) / (saved[key] or {}).get('scale', 1.0)
+            ratio = (scaler.get_scale() if scaler is not None else 1.0) / (scales[key] or {}).get('scale', 1.0)
             if ratio != 1:                                                       # pending gradients: from the saved loss scale to ours
                 for p in params:
                     if p.grad is not None: p.grad.mul_(ratio)
