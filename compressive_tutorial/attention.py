@@ -400,12 +400,10 @@ def has_hooks(*mods:nn.Module, backward:bool=True) -> bool:
     "Whether a forward hook (or, with `backward`, a backward hook) is registered on any of these modules: code that bypasses a module's call for speed must call it then."
     return any(m._forward_pre_hooks or m._forward_hooks or (backward and (m._backward_pre_hooks or m._backward_hooks)) for m in mods)
 
-try: from torch._C._functorch import is_functorch_wrapped_tensor as _in_func   # a tensor inside torch.func.vmap or grad
-except ImportError: _in_func = lambda t: False
 
 def weights_key(*ps:Tensor) -> tuple:
     "Identity of weights, for a value computed from them and kept: each one's object, storage and in-place version, and the optimiser steps taken in this process (a fused step leaves the versions as they were)."
-    if any(map(_in_func, ps)): return (object(),)   # inside torch.func (an ensemble through vmap): no storage of its own; never kept
+    if _func_transforms_active(): return (object(),)   # inside torch.func (an ensemble through vmap): no storage of its own; never kept
     return tuple((_uid(p), p.data_ptr(), object() if p.is_inference() else p._version) for p in ps) + (_STEPS[0],)   # (an inference
                                                                                 # tensor keeps no version: a key that never matches, nothing kept)
 

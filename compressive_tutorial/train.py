@@ -380,8 +380,7 @@ class Trainer:
         n_all = int((batch.y != -100).sum())                                     # targets of the whole batch, all ranks
         batch = shard_batch(batch, self.rank, self.world)                        # DDP: this rank's block of streams
         n = int((batch.y != -100).sum())                                         # its targets, counted before the copy to the device
-        x, y = batch.x.to(self.device), batch.y.to(self.device)                  # (B/world, T)
-        reset = None if batch.reset is None else batch.reset.to(self.device)     # (B,)
+        x, y, reset = self._to_device(batch)                                     # (B/world, T), (B/world, T), (B/world,)
         self._batch_size = x.shape[0]
         k, update = accumulation_at(self.step, cfg)
         model.train()
@@ -426,6 +425,10 @@ class Trainer:
         out = dict(loss=host[0], aux=host[1], aux_layers=None if layers is None else host[2:],
                    tokens=n, grad_norm=grad_norm, skipped=int(skipped))
         return self._reduce(out) if self.world > 1 else out
+
+    def _to_device(self, batch) -> tuple:
+        "A batch's (x, y, reset) on the trainer's device."
+        return batch.x.to(self.device), batch.y.to(self.device), None if batch.reset is None else batch.reset.to(self.device)
 
     def _aux_share(self, rows # the streams this rank's aux loss averaged over in this window (0: none; a model without `aux_rows`: 1)
                   ) -> float: # world x this rank's share of all ranks' streams; 1 in one process
@@ -473,9 +476,7 @@ class Trainer:
 
     def _finite_in_fp32(self, batch, state) -> bool:
         "Whether the window `batch` after the memories `state` gives a finite loss (and auxiliary loss) in fp32, without gradients; under DDP, on every rank."
-        batch = shard_batch(batch, self.rank, self.world)
-        x, y = batch.x.to(self.device), batch.y.to(self.device)
-        reset = None if batch.reset is None else batch.reset.to(self.device)
+        x, y, reset = self._to_device(shard_batch(batch, self.rank, self.world))
         record = getattr(self.model, 'record_aux', None)                      # a CT computes its aux loss without gradients only if asked
         if record is not None: self.model.record_aux = True
         try:

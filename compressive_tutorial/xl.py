@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .attention import RelativeMultiHeadAttention, AttnResult, ATTN_IMPLS, weights_key, hooks_key, has_hooks, _uid, _in_func
+from .attention import RelativeMultiHeadAttention, AttnResult, ATTN_IMPLS, weights_key, hooks_key, has_hooks, _uid, _func_transforms_active
 
 # %% ../nbs/02_transformer_xl.ipynb #12ed011e
 @dataclass
@@ -71,7 +71,7 @@ class KVCache:
 
 def memory_key(mem:Tensor) -> tuple:
     "Identity of a memory tensor, for the keys and values kept with it: its object, storage and in-place version (one made under `torch.inference_mode` keeps no version: an in-place write to it there goes unseen)."
-    if _in_func(mem): return (object(),)                                      # inside torch.func.vmap: nothing kept
+    if _func_transforms_active(): return (object(),)                          # inside torch.func (vmap): nothing kept
     return _uid(mem), mem.data_ptr(), -1 if mem.is_inference() else mem._version
 
 @dataclass
