@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['MU', 'N_CLASSES', 'SAMPLE_RATE', 'FULL_SCALE', 'LJSPEECH_URL', 'LJSPEECH_SHA256', 'LJSPEECH_CLIPS',
            'LJSPEECH_SECONDS', 'LJSPEECH_HELD', 'KINDS', 'KIND_COLORS', 'GPU_STEPS', 'torchaudio_functional',
-           'mu_law_encode', 'mu_law_decode', 'read_clip', 'ljspeech_split', 'ljspeech_clips', 'clip_codes',
+           'mu_law_encode', 'mu_law_decode', 'resample', 'read_clip', 'ljspeech_split', 'ljspeech_clips', 'clip_codes',
            'load_ljspeech', 'HeldClips', 'pcm_sha256', 'verify_ljspeech', 'get_ljspeech', 'ljspeech_folder',
            'save_codes', 'load_codes', 'code_entropy', 'WaveNetConfig', 'receptive_field', 'WaveNetState',
            'dilated_taps', 'GatedResidualLayer', 'WaveNet', 'speech_label', 'model_summary', 'summary_table',
@@ -13,13 +13,14 @@ __all__ = ['MU', 'N_CLASSES', 'SAMPLE_RATE', 'FULL_SCALE', 'LJSPEECH_URL', 'LJSP
            'generate', 'paper_scaled_configs', 'gpu_train_config', 'gpu_run']
 
 # %% ../nbs/11_speech.ipynb #4cd5649e
-import functools, hashlib, json, numbers, re, shutil, tarfile, time
+import functools, hashlib, json, math, numbers, re, shutil, tarfile, time
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Callable, NamedTuple
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 from .data import SPLITS, Corpus, StreamLoader, data_cache_dir, find_shared_data, download_file, sha256_file
@@ -106,11 +107,45 @@ def mu_law_decode(codes, # int codes in [0, µ]: tensor or array
     ta = _backend(backend)
     return ta.mu_law_decoding(codes, mu + 1).to(torch.float32) if ta is not None else _mu_law_decode_torch(codes, mu)
 
+# %% ../nbs/11_speech.ipynb #b11e0002
+def _resample_torch(wave:Tensor, orig_sr:int, new_sr:int, zero_crossings:int=6, rolloff:float=0.99) -> Tensor:
+    "Hann-windowed sinc resampling in plain torch, as one strided convolution (the arithmetic of `torchaudio.functional.resample`'s default)."
+    g = math.gcd(orig_sr, new_sr)
+    fi, fo = orig_sr // g, new_sr // g                                    # the rates in units of g: fo filters, stride fi
+    b = rolloff * min(fi, fo)                                             # the low-pass band, in the same units
+    w = math.ceil(zero_crossings * fi / b)                                # input samples a filter reaches on either side
+    kw = dict(dtype=wave.dtype, device=wave.device)                       # (torchaudio: the taps in the waveform's dtype)
+    u = (torch.arange(-w, w + fi, **kw)[None, :] / fi - torch.arange(fo, **kw)[:, None] / fo) * b   # (fo, 2w+fi): b tau
+    u = u.clamp(-zero_crossings, zero_crossings)                          # beyond the cut the Hann taper is 0
+    taps = torch.sinc(u) * torch.cos(u * (math.pi / (2 * zero_crossings))) ** 2 * (b / fi)
+    *lead, N = wave.shape
+    x = F.pad(wave.reshape(-1, 1, N), (w, w + fi))                        # zeros before the first and after the last sample
+    y = F.conv1d(x, taps[:, None, :], stride=fi)                          # (B, fo, frames): output fi*k+j in channel j, frame k
+    n_out = int(torch.tensor(fo * N / fi).ceil())                         # torchaudio's length: the ratio in the default dtype
+    return y.transpose(1, 2).reshape(len(x), -1)[:, :n_out].reshape(*lead, -1)   # (float32 can round ceil(N fo/fi) down by one)
+
+def resample(wave, # (..., N) float waveform: tensor or array
+             orig_sr:int, # its sampling rate, Hz
+             new_sr:int, # the rate wanted, Hz
+             backend:str='auto', # 'auto': torchaudio where it loads, else plain torch; or force 'torch' / 'torchaudio'
+            ) -> Tensor: # (..., ceil(N new_sr / orig_sr)) the same signal at new_sr
+    "Band-limited resampling: a Hann-windowed sinc low-passed below the lower of the two Nyquist limits (torchaudio's default)."
+    for name, r in (('orig_sr', orig_sr), ('new_sr', new_sr)):
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 1:
+            raise ValueError(f'{name}={r!r} must be a positive int (samples per second), e.g. 16_000 or 22_050')
+    wave = torch.as_tensor(wave)
+    if not wave.is_floating_point(): raise TypeError(f'resample takes a float waveform, got dtype {wave.dtype}: '
+                                                     'divide 16-bit samples by 32768 first (or read the file with read_clip)')
+    if wave.dim() == 0: raise ValueError('resample takes a waveform of shape (..., N), got a scalar')
+    ta = _backend(backend)
+    if orig_sr == new_sr: return wave
+    return ta.resample(wave, orig_sr, new_sr) if ta is not None else _resample_torch(wave, orig_sr, new_sr)
+
 # %% ../nbs/11_speech.ipynb #d70d17e7
 FULL_SCALE = 32767 / 32768   # |x| at or above this is a saturated 16-bit sample
 
 def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
-              sample_rate:int=SAMPLE_RATE, # the rate the models expect; other rates are resampled with torchaudio, else refused
+              sample_rate:int=SAMPLE_RATE, # the rate the models expect; a file at another rate is resampled to it (`resample`)
               downmix:bool=False, # True: average the channels of a multi-channel file; False: refuse it
               max_clipped:float|None=1e-3, # refuse a clip with more than this fraction of its samples at full scale (None: accept)
              ) -> Tensor: # (N,) float32 waveform in [-1, 1]
@@ -133,13 +168,7 @@ def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
         raise ValueError(f'{path} is clipped: {clipped:.2%} of its samples sit at full scale (the limit is max_clipped='
                          f'{max_clipped:.2%}). Use an unclipped recording, or pass max_clipped=None to accept this one.')
     wave = torch.from_numpy(x.mean(1) if channels > 1 else x[:, 0].copy())      # (N,)
-    if sr != sample_rate:
-        ta = torchaudio_functional()
-        if ta is None:
-            raise ValueError(f'{path} is sampled at {sr:,} Hz, not {sample_rate:,} Hz, and torchaudio (which would resample '
-                             f'it) does not load here. Resample the file (e.g. ffmpeg -i {path.name} -ar {sample_rate} '
-                             f'{path.stem}-{sample_rate}.flac), or run where torchaudio loads (Colab).')
-        wave = ta.resample(wave, sr, sample_rate)                                # (N * sample_rate / sr,)
+    wave = resample(wave, sr, sample_rate)                                       # (ceil(N sample_rate / sr),); as is at sample_rate
     return wave.clamp_(-1, 1)   # a float file can hold samples beyond full scale, and resampling can overshoot it
 
 # %% ../nbs/11_speech.ipynb #34c91fff
