@@ -25,7 +25,8 @@ if [ -n "$wheels" ] && [ "$wheels" != "$(cat /tmp/site/.installed 2>/dev/null)" 
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     && echo "$wheels" >/tmp/site/.installed || { echo "installing the carried wheels failed" >&2; exit 1; }
 fi
-export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" MPLBACKEND=Agg PYTHONUNBUFFERED=1
+site=${wheels:+:/tmp/site}   # only with carried wheels: a /tmp/site left on another machine must not shadow its packages
+export PYTHONPATH="$PWD$site${PYTHONPATH:+:$PYTHONPATH}" MPLBACKEND=Agg PYTHONUNBUFFERED=1
 [ -d data/books ] && export CT_DATA_DIR="$PWD/data"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
   $PY -c 'import torch; print("torch", torch.__version__, "| cuda", torch.version.cuda, "| bf16", torch.cuda.is_available() and torch.cuda.is_bf16_supported())'
