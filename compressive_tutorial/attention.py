@@ -75,7 +75,7 @@ def plot_mask(m:Tensor, # (rows, cols) bool or float matrix
     "Heatmap of a mask or score matrix: rows are queries, columns are keys."
     import matplotlib.pyplot as plt
     if ax is None: _, ax = plt.subplots(figsize=(4, 3))
-    m = m.detach().float().cpu()
+    m = m.detach().float().cpu().numpy()                           # an array: NumPy 2 deprecates how matplotlib copies a tensor
     ax.imshow(m, cmap='viridis', aspect='auto')
     if M is not None and M > 0: ax.axvline(M - 0.5, color='white', lw=2)
     if annotate:
