@@ -25,7 +25,7 @@ if [ -n "$wheels" ] && [ "$wheels" != "$(cat /tmp/site/.installed 2>/dev/null)" 
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     && echo "$wheels" >/tmp/site/.installed || { echo "installing the carried wheels failed" >&2; exit 1; }
 fi
-site=${wheels:+:/tmp/site}   # only with carried wheels: a /tmp/site left on another machine must not shadow its packages
+site=${wheels:+:/tmp/site}   # only where there are wheels (.whl/, carried): a /tmp/site left on a developer's machine must not shadow its packages
 export PYTHONPATH="$PWD$site${PYTHONPATH:+:$PYTHONPATH}" MPLBACKEND=Agg PYTHONUNBUFFERED=1
 [ -d data/books ] && export CT_DATA_DIR="$PWD/data"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1

@@ -30,6 +30,8 @@ def test_resample_matches_torchaudio(device, rates):
                 a, b = resample(x, *rates, backend='torchaudio'), resample(x, *rates, backend='torch')
             assert a.shape == b.shape and a.dtype == b.dtype
             torch.testing.assert_close(b, a, rtol=0, atol=atol)
+    x = torch.randn(1_000, 3, generator=g).to(device).t()                       # strided rows: torchaudio alone would refuse them
+    torch.testing.assert_close(resample(x, *rates, backend='torch'), resample(x, *rates, backend='torchaudio'), rtol=0, atol=2e-6)
 
 
 def test_resample_length_matches_torchaudio():
