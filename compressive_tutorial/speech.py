@@ -116,7 +116,7 @@ def _sinc_filters(orig_sr:int, new_sr:int, zero_crossings:int=6, rolloff:float=0
     return fi, fo, b, math.ceil(zero_crossings * fi / b)
 
 def _resampled_length(N:int, fi:int, fo:int) -> int:
-    "torchaudio's output length: ceil(N fo / fi) of the quotient rounded to the default dtype (float32 can round it down by one)."
+    "torchaudio's output length: the ceiling of N fo / fi after rounding that quotient to the default dtype (in float32 it can come out one short)."
     return int(torch.tensor(fo * N / fi).ceil())
 
 def _resample_torch(wave:Tensor, orig_sr:int, new_sr:int, zero_crossings:int=6) -> Tensor:
