@@ -68,30 +68,37 @@ class Compressor(nn.Module):
         return self.compress(old, usage, valid) # (B, n/c, d)
 
     def compress(self, old:Tensor, usage:Tensor|None, valid:Tensor|None)->Tensor:
-        "Subclasses map validated `old` (B, n, d) to (B, n/c, d); a slot whose block is all valid reads no invalid memory."
+        "Subclasses map validated `old` (B, n, d) to (B, n/c, d); a memory that `valid` marks False must reach no slot (it counts as padding)."
         raise NotImplementedError
 
     def slot_valid(self, valid:Tensor, # (B, n) bool: which old memories belong to the current episode
                    usage:Tensor|None=None # (B, n) as passed to `forward`
-                  )->Tensor: # (B, n/c) bool: which compressed slots read only valid memories
-        "A slot summarises its block of c memories: it is valid when all of them are."
+                  )->Tensor: # (B, n/c) bool: which compressed slots summarise some memory of the current episode
+        "A slot summarises the valid memories of its block of c: it is valid when any of them is."
         B, n = valid.shape
-        return valid.view(B, n // self.c, self.c).all(2)
+        return valid.view(B, n // self.c, self.c).any(2)
 
     def extra_repr(self): return f"d_model={self.d_model}, c={self.c}"
 
 # %% ../nbs/03_compression.ipynb #911f0a6a
 class MaxPool(Compressor):
-    "Element-wise max over each block of c consecutive memories (kernel = stride = c)."
+    "Element-wise max over each block of c consecutive memories (kernel = stride = c), over its valid ones."
     def compress(self, old, usage=None, valid=None):
         B, n, d = old.shape
-        return old.reshape(B, n // self.c, self.c, d).amax(dim=2) # (B, n/c, d)
+        blocks = old.reshape(B, n // self.c, self.c, d)
+        if valid is None: return blocks.amax(dim=2) # (B, n/c, d)
+        v = valid.view(B, n // self.c, self.c, 1)
+        top = blocks.masked_fill(~v, float('-inf')).amax(dim=2) # (B, n/c, d): another episode's memories never win
+        return torch.where(v.any(2), top, 0.) # a block with no valid memory: zeros (a slot never read, but finite)
 
 class MeanPool(Compressor):
-    "Element-wise mean over each block of c consecutive memories (kernel = stride = c)."
+    "Element-wise mean over each block of c consecutive memories (kernel = stride = c), over its valid ones."
     def compress(self, old, usage=None, valid=None):
         B, n, d = old.shape
-        return old.reshape(B, n // self.c, self.c, d).mean(dim=2) # (B, n/c, d)
+        blocks = old.reshape(B, n // self.c, self.c, d)
+        if valid is None: return blocks.mean(dim=2) # (B, n/c, d)
+        v = valid.view(B, n // self.c, self.c, 1).to(old.dtype)
+        return (blocks * v).sum(2) / v.sum(2).clamp(min=1) # (B, n/c, d): the mean of the valid ones
 
 # %% ../nbs/03_compression.ipynb #e39a0a4a
 class ConvCompressor(Compressor):
@@ -107,6 +114,7 @@ class ConvCompressor(Compressor):
     def compress(self, old, usage=None, valid=None):
         "The convolution as one matmul (kernel = stride = c: blocks do not overlap), several times faster than Conv1d on CPU."
         B, n, d = old.shape
+        if valid is not None: old = old * valid[..., None].to(old.dtype)   # another episode's memories: zeros, like the padding
         if has_hooks(self.conv): return self.conv(old.transpose(1, 2)).transpose(1, 2)   # hooked (weight_norm, a probe): the module itself
         if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):   # evaluation: the memories as stored, the weight rearranged once
             return F.linear(old.reshape(B, n // self.c, self.c * d), self.tap_major_weight(), self.conv.bias)   # (B, n/c, d)

@@ -88,8 +88,8 @@ def update_compressive_memory(m:Memory, # the layer's memory before this window 
         new_cm = f_c(old.mem, old_usage, old.valid)                     # 9. (B, n_old/c, d)
         if new_cm.shape != (B, n_old // c, old.mem.shape[2]):
             raise ValueError(f"f_c mapped {tuple(old.mem.shape)} to {tuple(new_cm.shape)}; expected {(B, n_old // c, old.mem.shape[2])}.")
-        new_valid = (f_c.slot_valid(old.valid, old_usage) if hasattr(f_c, 'slot_valid')   # (B, n_old/c): most-used, the memory
-                     else old.valid.view(B, n_old // c, c).all(2))      # it kept; any other, all c sources
+        new_valid = (f_c.slot_valid(old.valid, old_usage) if hasattr(f_c, 'slot_valid')   # (B, n_old/c): a Compressor's rule;
+                     else old.valid.view(B, n_old // c, c).all(2))      # a plain callable's slot only if all c sources are valid
     else:
         new_cm, new_valid = old.mem[:, :0], old.valid[:, :0]            # (B, 0, d) nothing to compress
     stored = new_cm if keep_graph else new_cm.detach()

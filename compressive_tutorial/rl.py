@@ -434,24 +434,14 @@ def episode_visibility(first:Tensor, # (S,) bool: one stream's episode starts; w
                        n_s:int, # window length
                        n_m:int, # memory slots
                        n_cm:int=0, # compressed memory slots (0: Transformer-XL)
-                       c:int=1 # compression rate (must divide n_s and n_m)
+                       c:int=1 # compression rate
                       ) -> Tensor: # (S, S) bool: True where one layer's output at q may read input p
-    "One layer's visibility with a per-step episode mask, by brute force: the XL/CT mask minus everything from another episode."
+    "One layer's visibility with a per-step episode mask: the XL/CT mask minus every input of another episode (a compressed slot is made from its sources in the current episode alone, notebook 05)."
     if first.dim() != 1 or first.dtype != torch.bool: raise ValueError(f"first must be a 1-D (S,) bool tensor, got {tuple(first.shape)} {first.dtype}.")
     S = first.shape[0]
-    if n_cm and (n_s % c or n_m % c):
-        raise ValueError(f"episode_visibility needs c to divide n_s and n_m (got n_s={n_s}, n_m={n_m}, c={c}): "
-                         "then each compressed slot covers one block [k*c, (k+1)*c) of positions.")
     base = xl_equivalent_mask(S, n_s, n_m) if n_cm == 0 else ct_visibility_mask(S, n_s, n_m, n_cm, c)   # (S, S)
-    ep = episode_ids(first).tolist()
-    out = torch.zeros(S, S, dtype=torch.bool)
-    for q in range(S):
-        oldest_memory = (q // n_s) * n_s - n_m                      # older inputs are only seen through compressed slots
-        for p in range(q + 1):
-            if not base[q, p]: continue
-            sources = range(p // c * c, p // c * c + c) if p < oldest_memory else (p,)
-            out[q, p] = all(ep[s] == ep[q] for s in sources)        # a slot is visible only if all its sources are
-    return out
+    ep = episode_ids(first)                                                  # (S,)
+    return base & (ep[:, None] == ep[None, :])
 
 @torch.no_grad()
 def influence_mask(core:nn.Module, # a one-layer core (for deeper cores the dependencies compound over layers)
