@@ -401,6 +401,7 @@ def _describe(kind:str, cfg:XLConfig, model:nn.Module) -> str:
 def run_from_args(args) -> Run:
     "The run `ct train` means: the run folder's (--resume; --steps stretches its schedule), or a new one; checked, nothing written."
     out = None if args.out is None else Path(args.out)
+    if out is not None and out.exists() and not out.is_dir(): raise ConfigError(f"--out {_q(out)} is a file: pass a folder for the run")
     if args.resume:
         if out is None: raise ConfigError("--resume needs --out RUN_DIR: the folder of the run to continue")
         if args.preset or args.sets:
@@ -414,7 +415,14 @@ def run_from_args(args) -> Run:
         if args.corpus is not None and corpus_spec(args.corpus) != run.corpus:
             raise ConfigError(f"{_q(out)} was trained on {_q(run.corpus)}, not {_q(corpus_spec(args.corpus))}: drop CORPUS or pass the same one")
         if not run.checkpoint.is_file(): raise ConfigError(f"{_q(out)} has no checkpoint ({CKPT_NAME}) yet: start it again without --resume")
-        step = load_checkpoint(run.checkpoint)[1]['step']                 # a damaged checkpoint is refused now, before the data
+        meta = load_checkpoint(run.checkpoint)[1]                         # a damaged checkpoint is refused now, before the data
+        if 'step' not in meta or 'skeleton' not in meta:
+            raise ConfigError(f"{_q(run.checkpoint)} holds weights only, not a run's state (save_checkpoint wrote it, not `ct train`): "
+                              "start the run again without --resume")
+        saved, want = (meta.get('model') or {}).get('cls'), MODEL_KINDS[run.kind].model.__name__
+        if saved not in (None, want): raise ConfigError(f"{_q(run.checkpoint)} holds a {saved}, but the run's config.json is a {want}'s: "
+                                                        "the checkpoint belongs to another run folder")
+        step = meta['step']
         if args.steps is not None and args.steps != run.run.steps:        # the schedule stretches with the run, as for a new one
             if args.steps < step:
                 raise ConfigError(f"--steps {args.steps:,}: the run in {_q(out)} is already at step {step:,}; pass a larger total, "

@@ -91,7 +91,7 @@ def mu_law_encode(x, # waveform: float tensor or array in [-1, 1] (values outsid
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f'mu_law_encode got {bad} NaN or infinite sample(s) of {x.numel()}: a waveform must be finite; '
                          'check the file or the step that made it (a resampler or a division by a zero peak)')
-    x = x.clamp(-1, 1)
+    x = x.clamp(-1, 1).float() if x.itemsize < 4 else x.clamp(-1, 1)  # fp16/bf16: in fp32 (half precision misplaces codes near their edges)
     ta = _backend(backend)
     return ta.mu_law_encoding(x, mu + 1) if ta is not None else _mu_law_encode_torch(x, mu)
 
@@ -471,7 +471,10 @@ class WaveNet(nn.Module):
         if reset is not None:
             keep = (~reset.to(tokens.device, torch.bool)).to(past[0].dtype)[:, None, None]   # (B, 1, 1)
             past = [p * keep for p in past]
-        x = self.emb(tokens)                                                # (B, T, d_res)
+        try: x = self.emb(tokens)                                           # (B, T, d_res)
+        except IndexError:                                                  # (on CUDA a device-side assert instead)
+            raise IndexError(f'tokens must be codes in [0, vocab_size={self.cfg.vocab_size}), got values from {int(tokens.min())} '
+                             f'to {int(tokens.max())}: check µ (mu_law_encode gives 0..µ) against WaveNetConfig.vocab_size.') from None
         skip, new = 0, []
         for layer, p in zip(self.layers, past):
             x, s, p = layer(x, p)                                           # (B, T, d_res), (B, T, d_skip), (B, ctx, d_res)

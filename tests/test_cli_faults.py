@@ -279,3 +279,28 @@ def test_errors_are_one_line(capsys, trained, tmp_path, case):
     if case == 'pickle': torch.save({'w': torch.ones(2)}, run/'last.safetensors')
     for cmd in (['eval', run], ['sample', run, '--prompt', 'x'], ['train', '--out', run, '--resume']):
         one_line_error(*ct(capsys, *cmd)[::2])
+
+
+@pytest.mark.parametrize('case', ['weights only', 'another kind'])
+def test_resume_refuses_a_checkpoint_that_is_not_a_run_of_this_kind(capsys, corpus, trained, tmp_path, case):
+    from compressive_tutorial.checkpoint import save_checkpoint
+    run = copy_run(trained, tmp_path/'run')
+    if case == 'weights only':                                          # what `save_checkpoint` writes for a model alone (notebook 90)
+        weights = {k: v for k, v in load_file(str(trained/'last.safetensors')).items() if k.startswith('model.')}
+        save_checkpoint(run/'last.safetensors', weights, {})
+        want = 'holds weights only'
+    else:                                                               # a Transformer-XL run's checkpoint in a CT run's folder
+        txl = tmp_path/'txl'
+        sets = [a for a in TINY if not a.startswith(('n_cm=', 'c='))]
+        assert ct(capsys, 'train', corpus, '--out', txl, '--model', 'txl', '--steps', 2, *sets)[0] == 0
+        shutil.copy(txl/'last.safetensors', run/'last.safetensors')
+        want = 'holds a TransformerXL'
+    for steps in ([], ['--steps', 30]):                                 # (--steps used to be checked first: "already at step")
+        line = one_line_error(*ct(capsys, 'train', '--out', run, '--resume', *steps)[::2])
+        assert want in line, line
+
+
+def test_out_that_is_a_file_is_refused(capsys, corpus, tmp_path):
+    f = tmp_path/'afile'; f.write_text('not a folder')
+    line = one_line_error(*ct(capsys, 'train', corpus, '--out', f, '--steps', 2, *TINY)[::2])
+    assert 'is a file' in line, line
