@@ -13,7 +13,7 @@ __all__ = ['IGNORE_INDEX', 'ENWIK8_URL', 'ENWIK8_SIZE', 'ENWIK8_MD5', 'SPLITS', 
            'sha256_file', 'verify_sha256', 'extract_deb', 'fetch_books', 'books_folder']
 
 # %% ../nbs/00_data.ipynb #dd36864d
-import codecs, csv, hashlib, io, math, os, re, urllib.request, warnings, zipfile, zlib
+import codecs, csv, hashlib, io, itertools, math, os, re, urllib.request, warnings, zipfile, zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -492,8 +492,9 @@ def train_sentencepiece(texts, # training text: a str, or a list of str / `Docum
     "Train a lossless (identity-normalised, byte-fallback) sentencepiece model in memory."
     import sentencepiece as spm
     if isinstance(texts, (str, Document)): texts = [texts]
-    lines = [l for t in texts for l in (t.text if isinstance(t, Document) else t).split('\n') if l.strip()]
-    if not lines: raise ValueError('empty corpus: no text to train the subword vocabulary on')
+    lines = (l for t in texts for l in (t.text if isinstance(t, Document) else t).split('\n') if l.strip())   # a stream: sentencepiece
+    first = next(lines, None)                                                 # keeps its own sample of max_lines, not all of them
+    if first is None: raise ValueError('empty corpus: no text to train the subword vocabulary on')
     if vocab_size <= 260: raise ValueError(f'vocab_size={vocab_size} is too small: byte fallback alone needs 256 + 4 pieces; use 300 or more')
     model = io.BytesIO()
     opts = dict(vocab_size=vocab_size, model_type=model_type, character_coverage=0.9995, byte_fallback=True,
@@ -503,7 +504,7 @@ def train_sentencepiece(texts, # training text: a str, or a list of str / `Docum
                 minloglevel=2, num_threads=os.cpu_count() or 1)
     opts.update(kwargs)
     spm.set_random_generator_seed(seed)
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, **opts)
+    spm.SentencePieceTrainer.train(sentence_iterator=itertools.chain([first], lines), model_writer=model, **opts)
     return SubwordTokenizer(model.getvalue())
 
 # %% ../nbs/00_data.ipynb #4de34d82

@@ -126,7 +126,7 @@ def plot_word_curves(results:dict, # `run_words` results
     return ax
 
 # %% ../nbs/14_books_subword.ipynb #9bf0d5a1
-def pg19_subword_data(max_docs:int|None=100, # books per split (PG-19 has `PG19_BOOKS`: 28,602 / 50 / 100; None: all)
+def pg19_subword_data(max_docs:int|None=100, # books per split (PG-19 has `PG19_BOOKS`: 28,602 / 50 / 100; None: all, about 11 GB of text held in memory)
                       vocab_size:int=8_000, # sentencepiece pieces, trained on the loaded training books only
                       data_files=None, # None: the mirror; a '{split}' template or {split: path} for local parquet files
                       max_lines:int=200_000, # lines sampled to train the vocabulary
