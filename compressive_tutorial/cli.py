@@ -429,9 +429,10 @@ def run_from_args(args) -> Run:
                                   f"or drop --steps to finish its {run.run.steps:,}")
             fresh = build_configs(run.kind, run.preset, steps=args.steps)[1]   # the schedule a new run of --steps gets (the preset's,
             old = run.train                                                       # stretched once: no rounding piles up over resumes)
-            N, k = old.update_every_after, old.update_every                    # stopped inside a §5.5.1 group: its switch stays,
-            keep = {*run.fixed, *(['update_every_after'] if step > N and (step - N) % k else [])}   # else the pending gradients
-            run.train = dataclasses.replace(old, **{f: getattr(fresh, f) for f in SCHEDULE if f not in keep})   # join another group
+            inside = lambda t: step > t.update_every_after and (step - t.update_every_after) % t.update_every   # step inside a §5.5.1 group
+            keep = {*run.fixed, *(['update_every_after'] if inside(old) or inside(fresh) else [])}   # the switch stays where moving it would
+            run.train = dataclasses.replace(old, **{f: getattr(fresh, f) for f in SCHEDULE if f not in keep})   # split a group: the pending
+                                                                  # gradients' (stopped in one), or the new one's (its first windows done)
             moved = ', '.join(f"{k} {getattr(old, k):,} -> {getattr(run.train, k):,}" for k in SCHEDULE if getattr(old, k) != getattr(run.train, k))
             _say(f"ct train: --steps {args.steps:,} stretches the schedule made for {run.run.steps:,} steps ({moved or 'nothing moves'}); "
                  f"the learning rate at step {step:,} goes from {lr_at(step, old):.3g} to {lr_at(step, run.train):.3g}")

@@ -186,8 +186,8 @@ def test_resume_with_more_steps_stretches_the_schedule(capsys, corpus, trained, 
 
 
 def test_resume_inside_a_group_keeps_its_switch(capsys, corpus, tmp_path):
-    """A run stopped inside a §5.5.1 group keeps the switch that aligns its groups (the pending gradients' group); the rest
-    of the schedule stretches as for a new run."""
+    """A run stopped inside a §5.5.1 group keeps the switch that aligns its groups (the pending gradients' group), and so does
+    one that the new switch would put inside a group; the rest of the schedule stretches as for a new run."""
     small = ['--preset', 'colab', '--set', 'd_model=32', 'n_heads=2', 'd_ff=64', 'n_layers=2', 'n_s=16', 'n_m=8', 'n_cm=8', 'c=2',
              'batch_size=4', 'eval_batch_size=2', 'valid_batches=4', 'progress=false', 'threads=1', '--device', 'cpu']
     run = tmp_path/'grouped'
@@ -197,6 +197,10 @@ def test_resume_inside_a_group_keeps_its_switch(capsys, corpus, tmp_path):
     assert code == 0, err
     got = json.loads((run/'config.json').read_text())['train']
     assert (got['update_every_after'], got['warmup_steps'], got['decay_steps']) == (5, 1, 29), got
+    run = tmp_path/'boundary'                                                  # stopped on a group boundary: 9 steps, switch 5, groups of 4;
+    assert ct(capsys, 'train', corpus, '--out', run, '--steps', 9, *small)[0] == 0   # a 13-step run's switch (8) would put step 9
+    assert ct(capsys, 'train', '--out', run, '--resume', '--steps', 13)[0] == 0     # inside its group [8, 11], window 8 missing
+    assert json.loads((run/'config.json').read_text())['train']['update_every_after'] == 5
 
 # ------------------------------------------------------------------------------------------------- small cases
 def test_model_too_large_for_memory_is_refused_up_front(capsys, corpus, tmp_path):
