@@ -65,10 +65,11 @@ class Compressor(nn.Module):
         if valid is not None and (valid.shape != (B, n) or valid.dtype != torch.bool):
             raise ValueError(f"valid must be a (B, n) = {(B, n)} bool tensor, one flag per old memory, got {tuple(valid.shape)} {valid.dtype}")
         if n == 0: return old[:, :0] # (B, 0, d): nothing was evicted
+        if valid is not None: old = old * valid[..., None].to(old.dtype) # another episode's memories: zeros, like padding
         return self.compress(old, usage, valid) # (B, n/c, d)
 
     def compress(self, old:Tensor, usage:Tensor|None, valid:Tensor|None)->Tensor:
-        "Subclasses map validated `old` (B, n, d) to (B, n/c, d); a memory that `valid` marks False must reach no slot (it counts as padding)."
+        "Subclasses map validated `old` (B, n, d), in which `forward` has zeroed what `valid` marks False, to (B, n/c, d)."
         raise NotImplementedError
 
     def slot_valid(self, valid:Tensor, # (B, n) bool: which old memories belong to the current episode
@@ -98,7 +99,7 @@ class MeanPool(Compressor):
         blocks = old.reshape(B, n // self.c, self.c, d)
         if valid is None: return blocks.mean(dim=2) # (B, n/c, d)
         v = valid.view(B, n // self.c, self.c, 1).to(old.dtype)
-        return (blocks * v).sum(2) / v.sum(2).clamp(min=1) # (B, n/c, d): the mean of the valid ones
+        return (blocks * (v / v.sum(2, keepdim=True).clamp(min=1))).sum(2) # (B, n/c, d): the mean of the valid ones (weights first: no fp16 overflow)
 
 # %% ../nbs/03_compression.ipynb #e39a0a4a
 class ConvCompressor(Compressor):
@@ -114,7 +115,6 @@ class ConvCompressor(Compressor):
     def compress(self, old, usage=None, valid=None):
         "The convolution as one matmul (kernel = stride = c: blocks do not overlap), several times faster than Conv1d on CPU."
         B, n, d = old.shape
-        if valid is not None: old = old * valid[..., None].to(old.dtype)   # another episode's memories: zeros, like the padding
         if has_hooks(self.conv): return self.conv(old.transpose(1, 2)).transpose(1, 2)   # hooked (weight_norm, a probe): the module itself
         if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):   # evaluation: the memories as stored, the weight rearranged once
             return F.linear(old.reshape(B, n // self.c, self.c * d), self.tap_major_weight(), self.conv.bias)   # (B, n/c, d)
@@ -155,8 +155,7 @@ class DilatedConvCompressor(Compressor):
     def compress(self, old, usage=None, valid=None):
         x = old.transpose(1, 2) # (B, d, n): channels first
         keep = None if valid is None else valid[:, None, :].to(x.dtype) # (B, 1, n): another episode's memories act as padding
-        if keep is not None: x = x * keep
-        for conv in self.dilated:
+        for conv in self.dilated:                                         # (forward has zeroed them in the input)
             x = x + F.relu(conv(x)) # (B, d, n): same length, wider context
             if keep is not None: x = x * keep # zero at every layer, exactly like the zero padding at the ends
         return self.reduce(x).transpose(1, 2) # (B, n/c, d)
