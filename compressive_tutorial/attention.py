@@ -39,9 +39,10 @@ def attention_mask(T:int, # number of queries: the current window
                    M:int=0, # number of memory slots in front of the window
                    mem_valid:Tensor|None=None, # (B, M) bool, False marks a slot no query may read; None: all valid
                    first:Tensor|None=None, # (B, T) bool, True where a query starts a new episode; None: no episode starts
-                   device=None # where to build the mask
+                   device=None # where to build the mask; None: where `mem_valid` or `first` is (without them, the CPU)
                   ) -> Tensor: # (1 or B, 1, T, M+T) bool, True where attention is allowed
     "Causal mask AND key validity AND (with `first`) same episode, shaped to broadcast over heads."
+    if device is None and (mem_valid is not None or first is not None): device = (first if mem_valid is None else mem_valid).device
     if mem_valid is None and first is None: return causal_mask(T, M, device)[None, None]   # (1, 1, T, K), a tensor of its own
     mask = _causal_mask(T, M, device)[None, None]                         # the shared one: combined below into a new tensor
     if mem_valid is not None and (mem_valid.dim() != 2 or mem_valid.shape[1] != M):
@@ -342,8 +343,9 @@ def rel_score_mod(pos:Tensor, # (B, H, T, K) scores against reversed distances (
     "The relative term as FlexAttention's `score_mod`: each score plus `rel_shift(pos)` read by index, -inf where `mask` is False."
     B, H, T, K = pos.shape
     mask = mask.expand(B, 1, T, K)[:, 0]                              # (B, T, K) one row per stream: a view, nothing copied
+    off, last = (torch.full((), n, dtype=torch.long, device=pos.device) for n in (T - 1, K - 1))   # sizes as tensors (below)
     def score_mod(score, b, h, i, j):                                 # (indices: tensors only; PyTorch 2.9 cannot trace mask[b, 0, i, j])
-        col = torch.clamp(j + (T - 1) - i, max=K - 1)                 # the shift as an index (clamped where masked)
+        col = torch.minimum(j - i + off, last)                        # the shift as an index (clamped where masked)
         return torch.where(mask[b, i, j], score + pos[b, h, i, col], float('-inf'))
     return score_mod
 

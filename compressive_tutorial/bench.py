@@ -86,7 +86,7 @@ class BenchConfig:
 
 BENCH_CPU = BenchConfig()
 BENCH_GPU = BenchConfig(n_layers=8, d_model=512, n_heads=8, d_ff=2048, n_s=512, n_m=512, n_cm=512, c=4, batch_size=16,
-                        dtype='bfloat16', device='cuda', reps=5, impls=('ours-ct', 'ours-ct-compiled', 'ours-ct-cudagraphs', 'ours-ct-cudagraphs-notrees', 'ours-ct-flex', 'ours-txl', 'lucidrains-ct', 'labml-ct'))
+                        dtype='bfloat16', device='cuda', reps=5, impls=('ours-ct', 'ours-ct-compiled', 'ours-ct-cudagraphs', 'ours-ct-flex', 'ours-txl', 'lucidrains-ct', 'labml-ct'))
 
 # %% ../nbs/15_performance.ipynb #b1500012
 def ct_flops_per_token(cfg:BenchConfig, # the sizes

@@ -656,7 +656,7 @@ BENCH_PRESETS = {'cpu': BENCH_CPU, 'gpu': BENCH_GPU}   # notebook 15's settings
 def _bench_arguments(p:argparse.ArgumentParser):
     p.add_argument('--preset', choices=list(BENCH_PRESETS), help="'cpu' (notebook 15's 2-core CPU setting) or 'gpu' (H100 setting, bf16); default: gpu where CUDA is")
     p.add_argument('--quick', action='store_true', help='one repetition of one window per implementation (a smoke run)')
-    p.add_argument('--impls', nargs='+', metavar='NAME', help=f"implementations to run, of {', '.join(RUNNERS)} (default: the preset's, where installed; the gpu preset adds ours-ct-compiled, the CUDA-graph forms ours-ct-cudagraphs and ours-ct-cudagraphs-notrees, and ours-ct-flex)")
+    p.add_argument('--impls', nargs='+', metavar='NAME', help=f"implementations to run, of {', '.join(RUNNERS)} (default: the preset's, where installed; the gpu preset adds ours-ct-compiled, the CUDA-graph form ours-ct-cudagraphs and ours-ct-flex; ours-ct-cudagraphs-notrees on request)")
     p.add_argument('--set', dest='sets', nargs='+', action='extend', default=[], metavar='FIELD=VALUE',
                    help='any other field of BenchConfig (notebook 15), e.g. --set reps=7 threads=2 batch_size=16')
     p.add_argument('--no-memory', action='store_true', help='skip the peak-memory measurement')

@@ -86,6 +86,9 @@ _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA')
 # so each shape needs its own graph (dynamic=False) and no graph ever writes another one's memory.
 _TREES = dict(mode='reduce-overhead')
 _NO_TREES = dict(dynamic=False, options={'triton.cudagraphs': True, 'triton.cudagraph_trees': False})
+_NO_TREES_FAILS = pytest.mark.xfail(raises=AssertionError, strict=True, reason="seen on an H200 with torch 2.11: inductor's "
+                                     "CUDA graphs without trees assert that an input it took for static (a weight or buffer) keeps "
+                                     "its address, and one does not (`assert dst.data_ptr() == src.data_ptr()`, compile_fx.py)")
 _COMPILE = {'cpu': ('cpu', {}, False), 'cuda': ('cuda', {}, False), 'cuda-graphs': ('cuda', _TREES, False),
             'cuda-graphs-keepalive': ('cuda', _TREES, True), 'cuda-graphs-no-trees': ('cuda', _NO_TREES, False)}
 
@@ -95,10 +98,12 @@ _COMPILE = {'cpu': ('cpu', {}, False), 'cuda': ('cuda', {}, False), 'cuda-graphs
                                       "output of CUDAGraphs that has been overwritten by a subsequent run' in the backward pass "
                                       "while the memories fill. It looks like pytorch/pytorch#194124 (a pending backward's saved "
                                       "tensors are invisible to the trees' liveness check, so a layer's path can be dropped before "
-                                      "its backward runs; torch 2.13.0's check_refcount is unchanged); the two cases below test "
-                                      "that reading")]),
-                                  pytest.param('cuda-graphs-keepalive', marks=_cuda),
-                                  pytest.param('cuda-graphs-no-trees', marks=_cuda)])
+                                      "its backward runs; torch 2.13.0's check_refcount is unchanged)")]),
+                                  pytest.param('cuda-graphs-keepalive', marks=[_cuda, pytest.mark.xfail(
+                                      raises=RuntimeError, strict=True, reason="seen on an H200 with torch 2.11: the same error "
+                                      "with every layer's outputs kept referenced until the backward ran, so that reading of "
+                                      "#194124 does not explain it")]),
+                                  pytest.param('cuda-graphs-no-trees', marks=[_cuda, _NO_TREES_FAILS])])
 def test_compiled_layers_equal_eager(case):
     "torch.compile of every layer (and with CUDA graphs, three ways): no graph break, every graph replayed, and the same losses, gradients and evaluation logits as eager."
     import copy, torch._dynamo
@@ -140,7 +145,7 @@ def test_compiled_layers_equal_eager(case):
 
 
 @_cuda
-@pytest.mark.parametrize('kw', [_TREES, _NO_TREES], ids=['trees', 'no-trees'])
+@pytest.mark.parametrize('kw', [_TREES, pytest.param(_NO_TREES, marks=_NO_TREES_FAILS)], ids=['trees', 'no-trees'])
 def test_cuda_graph_inference_equals_eager(kw):
     "Evaluation with every layer replayed as a CUDA graph: the eager logits, call after call, while the memories fill and after, in calls that end inside a window too (the state keeps copies of what the graphs return: notebook 06)."
     import copy, torch._dynamo
@@ -179,7 +184,10 @@ def test_compiled_runner_times_one_static_graph_per_phase():
     assert not counters['graph_break'], f"graph breaks: {dict(counters['graph_break'])}"
 
 
-@pytest.mark.parametrize('case', ['cpu', pytest.param('cuda', marks=_cuda), pytest.param('cuda-compiled', marks=_cuda)])
+@pytest.mark.parametrize('case', ['cpu', pytest.param('cuda', marks=_cuda), pytest.param('cuda-compiled', marks=[_cuda, pytest.mark.xfail(
+    raises=RuntimeError, strict=True, reason="seen on an H200 with torch 2.11: inductor fails to lower FlexAttention's backward "
+    "inside a layer compiled for memories of varying length (dynamic shapes: 'int() argument must be ... not tuple' at a "
+    "sym_size); eager layers (the case above) and the benchmark's static-shape training compile")])])
 def test_flex_model_equals_sdpa(case):
     "A CT with attn_impl='flex' trains and evaluates like the default 'sdpa' one (losses, reconstruction losses, gradients, logits) while the memories fill, after, and across a stream reset. CUDA: FlexAttention's kernel, from eager layers and inside compiled ones; CPU: its reference, the same score_mod on the whole grid."
     import torch._dynamo
