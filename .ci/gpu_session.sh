@@ -36,19 +36,19 @@ limit() {   # run "$@" until LIMIT_S seconds after the command started, then SIG
   [ "${LIMIT_S:-0}" -gt 0 ] || { "$@"; return; }
   timeout -s INT -k 20 $((LIMIT_S - SECONDS)) "$@"
 }
-rc=0
+rc=0   # pytest runs with -p no:logging: with -rA it would print, for every passing test, the DEBUG records torch.compile logs
 for step in "$@"; do
   if [ "${LIMIT_S:-0}" -gt 0 ] && [ $((LIMIT_S - SECONDS)) -lt 30 ]; then echo "== $step: skipped, LIMIT_S=$LIMIT_S is reached"; rc=124; continue; fi
   t0=$SECONDS; echo "== $step"
   case "$step" in
     tests) first=(tests/test_*cuda*.py tests/test_fast_paths.py); rest=()   # the CUDA checks first: a time limit cuts the CPU ones
            for f in tests/test_*.py; do [[ " ${first[*]} " == *" $f "* ]] || rest+=("$f"); done
-           limit $PY -m pytest -q -rA -p no:cacheprovider "${first[@]}" "${rest[@]}" 2>&1 | tee "$OUT/pytest.log" ;;
+           limit $PY -m pytest -q -rA -p no:cacheprovider -p no:logging "${first[@]}" "${rest[@]}" 2>&1 | tee "$OUT/pytest.log" ;;
     cuda)  # only the CUDA checks (-k cuda: the tests/test_*cuda*.py files whole, and the tests of test_fast_paths.py whose name
            # or case says cuda), each stopped after 180 s where pytest-timeout is installed, without the benchmark's smoke test
            # when nb:15_performance runs the whole benchmark in the same command
            to=$($PY -c 'import pytest_timeout' 2>/dev/null && echo --timeout=180)
-           limit $PY -m pytest -q -rA -p no:cacheprovider $to tests/test_*cuda*.py tests/test_fast_paths.py -k cuda \
+           limit $PY -m pytest -q -rA -p no:cacheprovider -p no:logging $to tests/test_*cuda*.py tests/test_fast_paths.py -k cuda \
              ${CT_SKIP_BENCH_SMOKE:+--deselect tests/test_attention_cuda.py::test_gpu_benchmark_smoke} 2>&1 | tee "$OUT/pytest-cuda.log" ;;
     bench) limit $PY -m compressive_tutorial.cli bench --preset gpu --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench.log" ;;
     nb:*)  name=${step#nb:}; ids=""; [[ $name == *:* ]] && { ids=${name#*:}; name=${name%%:*}; }; name=${name%.ipynb}
