@@ -220,6 +220,8 @@ def plot_attention_buckets(result:AttentionBuckets, # from `collect_attention`
     "Figure-2-style plot: average attention weight per bucket over [compressed memory | memory | sequence], with 1-sigma SE."
     import matplotlib.pyplot as plt
     nb = result.n_buckets
+    if not (layer is None or layer == 'all' or (isinstance(layer, int) and 0 <= layer < result.n_layers)):   # before any figure is made
+        raise ValueError(f"layer={layer!r}: use None (overall), 'all', or an int in [0, {result.n_layers - 1}].")
     if ax is None: _, ax = plt.subplots(figsize=(8, 3.2))
     x = np.arange(3 * nb)
     for s, name in enumerate(SEGMENTS):                                        # shaded bands and segment labels
@@ -233,10 +235,7 @@ def plot_attention_buckets(result:AttentionBuckets, # from `collect_attention`
         what = 'every layer'
     else:
         if layer is None: mean, sem, what = result.overall_mean.numpy(), result.overall_sem.numpy(), f'mean of {result.n_layers} layers'
-        else:
-            if not (isinstance(layer, int) and 0 <= layer < result.n_layers):
-                raise ValueError(f"layer={layer!r}: use None (overall), 'all', or an int in [0, {result.n_layers - 1}].")
-            mean, sem, what = result.mean[layer].numpy(), result.sem[layer].numpy(), f'layer {layer + 1} of {result.n_layers}'
+        else: mean, sem, what = result.mean[layer].numpy(), result.sem[layer].numpy(), f'layer {layer + 1} of {result.n_layers}'
         colors = [SEGMENT_COLORS[s] for s in SEGMENTS for _ in range(nb)]
         ax.bar(x, mean, yerr=sem, color=colors, edgecolor='k', lw=.5, capsize=2, ecolor='k')   # an empty bucket (NaN): no bar, not a 0
     ax.set_xticks(x, [str(b + 1) for _ in SEGMENTS for b in range(nb)], fontsize=8)
@@ -457,16 +456,28 @@ def eval_across_memory_sizes(model:CompressiveTransformer, # a trained Compressi
                              loader, # evaluation windows (read from the first, with fresh memories, for every size)
                              n_cm_values:list, # compressed memory sizes to evaluate with
                              n_m:int|None=None, # memory size for all of them (None: the model's)
-                             max_batches:int|None=None # windows per evaluation (None: the whole loader)
-                            ) -> list: # [dict(n_cm, n_m, slots, temporal_range, loss, bpb, tokens)] one per size
-    "Bits per byte of one model evaluated with each compressed-memory size (the paper's Tables 8-9, App. B)."
+                             max_batches:int|None=None, # windows read per evaluation, `skip` included (None: the whole loader)
+                             skip:int|None=None # windows read but not scored first (None: those the largest size needs to fill its memories)
+                            ) -> list: # [dict(n_cm, n_m, slots, temporal_range, loss, bpb, tokens, skip)] one per size
+    "Bits per byte of one model evaluated with each compressed-memory size (the paper's Tables 8-9, App. B), every size scored on the same windows."
     n_m = model.n_m if n_m is None else n_m
+    if not n_cm_values: raise ValueError("eval_across_memory_sizes got no sizes: pass n_cm_values, e.g. [0, 64, 128]")
+    if skip is None: skip = warmup_windows(getattr(loader, 'n_s', model.cfg.n_s), n_m, max(n_cm_values), model.cfg.c)
+    read = len(loader) if max_batches is None and hasattr(loader, '__len__') else max_batches
+    if read is not None and skip >= read:
+        raise ValueError(f"eval_across_memory_sizes: the first {skip} windows are not scored (the memories of n_cm = "
+                         f"{max(n_cm_values)} fill in them), and only {read} are read: read more (max_batches, a longer "
+                         f"loader) or pass a smaller skip (skip=0 scores every window).")
     rows = []
     for n_cm in n_cm_values:
-        ev = evaluate(model, loader, mem_len=n_m, max_batches=max_batches, n_cm=n_cm)
+        ev = evaluate(model, _unscored(loader, skip), mem_len=n_m, max_batches=max_batches, n_cm=n_cm)
         rows.append(dict(n_cm=n_cm, n_m=n_m, slots=n_m + n_cm, temporal_range=ct_temporal_range(len(model.layers), n_m, n_cm, model.cfg.c),
-                         loss=ev['loss'], bpb=ev['bpb'], tokens=ev['tokens']))
+                         loss=ev['loss'], bpb=ev['bpb'], tokens=ev['tokens'], skip=skip))
     return rows
+
+def _unscored(loader, skip:int):
+    "The windows of `loader`, the first `skip` with every target set to -100: `evaluate` reads them (the memories fill) and scores the rest."
+    for i, b in enumerate(loader): yield b._replace(y=torch.full_like(b.y, -100)) if i < skip else b
 
 def memory_sweep_table(rows:list # from `eval_across_memory_sizes`
                       ) -> str: # a markdown table, one column per size (like Tables 8-9)

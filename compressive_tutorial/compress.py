@@ -113,7 +113,7 @@ class ConvCompressor(Compressor):
         self.conv = nn.Conv1d(d_model, d_model, kernel_size=c, stride=c, bias=bias)
 
     def compress(self, old, usage=None, valid=None):
-        "The convolution as one matmul (kernel = stride = c: blocks do not overlap), several times faster than Conv1d on CPU."
+        "The convolution as one matmul (kernel = stride = c: blocks do not overlap), faster than Conv1d on the CPU at this course's small sizes."
         B, n, d = old.shape
         if has_hooks(self.conv): return self.conv(old.transpose(1, 2)).transpose(1, 2)   # hooked (weight_norm, a probe): the module itself
         if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):   # evaluation: the memories as stored, the weight rearranged once
@@ -168,6 +168,9 @@ def attention_usage(probs:Tensor, # (B, H, T, K) attention probabilities of one 
     "Attention each memory slot received in one window, summed over heads and queries (detached)."
     if probs.dim() != 4:
         raise ValueError(f"probs must be attention probabilities (B, H, T, K), got shape {tuple(probs.shape)}")
+    K = probs.shape[-1]
+    if not 0 <= start <= (K if stop is None else stop) <= K:
+        raise ValueError(f"start={start}, stop={stop} must pick key columns of probs: 0 <= start <= stop <= K={K}")
     return probs[..., start:stop].detach().sum(dim=(1, 2)) # (B, stop-start)
 
 # %% ../nbs/03_compression.ipynb #7a0ed017
@@ -187,20 +190,25 @@ class MostUsed(Compressor):
 
     def compress(self, old, usage=None, valid=None):
         B, n, d = old.shape
-        if usage is None:
-            raise ValueError("most_used needs `usage` (B, n), the attention each old memory received: "
-                             "accumulate it with `attention_usage` and pass f_c(old, usage)")
+        self._need(usage)
         if usage.shape != (B, n):
             raise ValueError(f"usage must be (B, n) = {(B, n)} to match the old memories, got {tuple(usage.shape)}")
         keep = self._keep(usage, valid) # (B, n/c)
         return old.gather(1, keep[..., None].expand(B, n // self.c, d)) # (B, n/c, d)
 
+    def _need(self, usage):
+        if usage is None:
+            raise ValueError("most_used needs `usage` (B, n), the attention each old memory received: "
+                             "accumulate it with `attention_usage` and pass f_c(old, usage)")
+
     def _keep(self, usage, valid):
         "Indices of the kept memories; another episode's memories rank last."
+        usage = usage if usage.is_floating_point() else usage.float()   # counts are usage too
         return most_used_indices(usage if valid is None else usage.masked_fill(~valid, float('-inf')), self.c)
 
     def slot_valid(self, valid, usage=None):
         "A slot is the one memory it keeps: valid when that memory is (not when its whole block of c is)."
+        self._need(usage)
         return valid.gather(1, self._keep(usage, valid))
 
 # %% ../nbs/03_compression.ipynb #65520fd3

@@ -51,13 +51,12 @@ def _check_attention_module(attn, d:int):
     if not isinstance(H, int) or H < 1 or d % H:
         raise ValueError(f"attn.n_heads must be a positive int dividing d={d}, got {H!r}")
 
-def _check_memories(h:Tensor, old:Tensor, new_cm:Tensor):
-    "Raise a clear error unless h, old and new_cm are (B, *, d) with the same B and d."
-    for name, t in (('h', h), ('old', old), ('new_cm', new_cm)):
+def _check_memories(**ts:Tensor):
+    "Raise a clear error unless every tensor named is (B, *, d), all with the same B and d."
+    for name, t in ts.items():
         if t.dim() != 3: raise ValueError(f"{name} must be (B, n, d), got shape {tuple(t.shape)}")
-    if not (h.shape[0] == old.shape[0] == new_cm.shape[0]) or not (h.shape[2] == old.shape[2] == new_cm.shape[2]):
-        raise ValueError(f"h {tuple(h.shape)}, old {tuple(old.shape)} and new_cm {tuple(new_cm.shape)} "
-                         "must share the batch size B and width d")
+    if len({t.shape[0] for t in ts.values()}) > 1 or len({t.shape[2] for t in ts.values()}) > 1:
+        raise ValueError(' and '.join(f"{k} {tuple(t.shape)}" for k, t in ts.items()) + " must share the batch size B and width d")
 
 # %% ../nbs/04_compression_losses.ipynb #2bfd232a
 def attention_reconstruction_loss(h:Tensor, # (B, n_s, d) the layer's input window (its queries); stop-gradient
@@ -67,7 +66,7 @@ def attention_reconstruction_loss(h:Tensor, # (B, n_s, d) the layer's input wind
                                   scale:bool=True, # scale logits by 1/sqrt(d_head) like the layer (Algorithm 2 omits it)
                                  )->Tensor: # scalar: mean squared error between the two read-outs
     "Algorithm 2: MSE between content attention of h over `old` and over `new_cm`, gradient only into `new_cm`."
-    _check_memories(h, old, new_cm)
+    _check_memories(h=h, old=old, new_cm=new_cm)
     _check_attention_module(attn, h.shape[-1])
     h, old = h.detach(), old.detach() # 1. stop gradient into the transformer's activations and memories
     w_q, w_k, w_v = attn.q.weight.detach(), attn.k.weight.detach(), attn.v.weight.detach() # 2. reuse the layer's weights, frozen here only
@@ -120,6 +119,8 @@ class ConvTransposeDecoder(nn.Module):
         super().__init__()
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"compression rate c must be a positive int, got {c!r}")
+        if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
+            raise ValueError(f"d_model must be a positive int (the memories' width), got {d_model!r}")
         self.d_model, self.c = d_model, c
         self.deconv = nn.ConvTranspose1d(d_model, d_model, kernel_size=c, stride=c)
 
@@ -144,6 +145,7 @@ def autoencoding_loss(old:Tensor, # (B, n_s, d) the memories evicted this step: 
                       decoder:nn.Module, # g: (B, n_s/c, d) -> (B, n_s, d), trained by this loss
                      )->Tensor: # scalar: mean squared error of the reconstruction
     "Auto-encoding loss: MSE between the evicted memories and g(f_c(old)); gradient into f_c and g only."
+    _check_memories(old=old, new_cm=new_cm)
     recon = decoder(new_cm) # (B, n_s, d)
     if recon.shape != old.shape:
         raise ValueError(f"the decoder maps new_cm {tuple(new_cm.shape)} to {tuple(recon.shape)}, but old is "

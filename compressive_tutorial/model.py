@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['MODEL_KINDS', 'CTConfig', 'CompressiveUpdate', 'update_compressive_memory', 'FifoStep', 'fifo_trace',
            'plot_fifo_trace', 'CTState', 'AttentionRecord', 'qualifying_streams', 'layer_compression_loss',
-           'CompressiveTransformer', 'ct_temporal_range', 'attention_cost', 'ct_visibility_mask', 'ct_dependency_reach',
-           'ModelKind', 'build_model', 'memory_summary', 'windows_per_call']
+           'CompressiveTransformer', 'held_memory', 'ct_temporal_range', 'attention_cost', 'ct_visibility_mask',
+           'ct_dependency_reach', 'ModelKind', 'build_model', 'memory_summary', 'windows_per_call']
 
 # %% ../nbs/05_compressive_transformer.ipynb #652fedbc
 import warnings
@@ -264,8 +264,8 @@ class CompressiveTransformer(TransformerXL):
                 state:CTState|None=None, # memories from the previous call; None = empty start state
                 targets:Tensor|None=None, # (B, T) long next tokens, -100 = no target; None = no loss
                 reset:Tensor|None=None, # (B,) bool: an episode starts at this call's first step (= first[:, 0])
-                n_m:int|None=None, # memory length; None = self.n_m (e.g. longer at evaluation)
-                n_cm:int|None=None, # compressed memory length; None = self.n_cm
+                n_m:int|None=None, # memory length kept after each window; None = self.n_m (e.g. longer at evaluation)
+                n_cm:int|None=None, # compressed memory length kept after each window; None = self.n_cm
                 first:Tensor|None=None # (B, T) bool: True at each step that starts an episode (document)
                ) -> tuple: # (logits (B, T, V), loss or None, new CTState, detached)
         "Algorithm 1 over the call's windows; sets `aux_loss`, `aux_losses` (and `attention_records` if recording)."
@@ -277,8 +277,8 @@ class CompressiveTransformer(TransformerXL):
                state:CTState|None=None, # memories from the previous call; None = empty start state
                first:Tensor|None=None, # (B, T) bool: True at each step that starts an episode
                reset:Tensor|None=None, # (B,) bool: an episode starts at this call's first step (instead of `first`)
-               n_m:int|None=None, # memory length; None = self.n_m
-               n_cm:int|None=None # compressed memory length; None = self.n_cm
+               n_m:int|None=None, # memory length kept after each window; None = self.n_m
+               n_cm:int|None=None # compressed memory length kept after each window; None = self.n_cm
               ) -> tuple: # (final hidden states (B, T, d) after ln_f, new CTState, detached)
         "The layers over input embeddings (Algorithm 1); sets `aux_loss`, `aux_losses` (and `attention_records`)."
         first = self._check_inputs(x, first, reset)
@@ -371,12 +371,19 @@ class CompressiveTransformer(TransformerXL):
         return h, CTState(ms, cms, us, ws, ages)                                   # h: (B, n, d)
 
 # %% ../nbs/05_compressive_transformer.ipynb #3cbd612c
+def held_memory(n_m:int, # memory slots per layer
+                n_cm:int, # compressed memory slots per layer
+                c:int # compression rate
+               ) -> int: # states the memory holds once full
+    "$n_m$, or with a compressed memory $\\lceil n_m / c \\rceil\\, c$: evictions come in whole blocks of $c$ (windows of a multiple of $c$)."
+    return n_m if n_cm == 0 else -(-n_m // c) * c
+
 def ct_temporal_range(n_layers:int, # l: number of layers
                       n_m:int, # memory slots per layer
                       n_cm:int, # compressed memory slots per layer
                       c:int # compression rate
                      ) -> int: # tokens beyond the query's own window
-    "Maximum temporal range of a Compressive Transformer, $l \\times (n_m + c\\, n_{cm})$ (§3.3)."
+    "Maximum temporal range of a Compressive Transformer, $l \\times (n_m + c\\, n_{cm})$ (§3.3). With $c \\nmid n_m$ the model holds more memory than $n_m$ (`held_memory`; `memory_summary` counts it)."
     return n_layers * (n_m + c * n_cm)
 
 def attention_cost(n_s:int, # window length (queries per window)
@@ -433,9 +440,10 @@ def memory_summary(cfg:XLConfig, # an XLConfig (Transformer-XL) or a CTConfig (C
     "What a configuration's attention costs per layer and window, and how far back it reaches (§3.3)."
     if not isinstance(cfg, XLConfig): raise TypeError(f"memory_summary needs an XLConfig or a CTConfig, got {type(cfg).__name__}")
     n_cm, c = (cfg.n_cm, cfg.c) if isinstance(cfg, CTConfig) else (0, 1)      # Transformer-XL: no compressed memory
-    return dict(n_s=cfg.n_s, n_m=cfg.n_m, n_cm=n_cm, c=c, keys_per_query=cfg.n_s + cfg.n_m + n_cm,
-                attention_cost=attention_cost(cfg.n_s, cfg.n_m, n_cm),
-                temporal_range=ct_temporal_range(cfg.n_layers, cfg.n_m, n_cm, c))
+    m = held_memory(cfg.n_m, n_cm, c)                                         # n_m, rounded up to whole blocks of c with n_cm > 0
+    return dict(n_s=cfg.n_s, n_m=cfg.n_m, n_cm=n_cm, c=c, keys_per_query=cfg.n_s + m + n_cm,
+                attention_cost=attention_cost(cfg.n_s, m, n_cm),
+                temporal_range=ct_temporal_range(cfg.n_layers, m, n_cm, c))
 
 # %% ../nbs/05_compressive_transformer.ipynb #a6c66105
 def windows_per_call(cfg:XLConfig, # an XLConfig (Transformer-XL) or a CTConfig (Compressive Transformer)

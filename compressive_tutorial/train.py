@@ -225,6 +225,7 @@ def evaluate(model:nn.Module, # a model of the package's interface
             x, y = b.x.to(dev), b.y.to(dev)                                       # (B, T)
             reset = None if b.reset is None else b.reset.to(dev)                  # (B,)
             with autocast_for(dev, precision): _, loss, state = model(x, state, targets=y, reset=reset, **forward_kwargs)
+            if n == 0: continue                                                   # no targets (all -100): read for the memories only
             nats = nats + loss.detach().to(wide) * n; n_tok += n                 # mean over real targets -> sum, on the device:
     finally: model.train(was_training)                                            # no wait for the GPU each window
     nats = float(nats)
