@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from .data import Batch
-from .model import AttentionRecord, CompressiveTransformer, ct_temporal_range, layer_compression_loss
+from .model import AttentionRecord, CompressiveTransformer, ct_temporal_range, held_memory, layer_compression_loss
 from .losses import CompressionLoss
 from .train import evaluate
 
@@ -460,10 +460,13 @@ def eval_across_memory_sizes(model:CompressiveTransformer, # a trained Compressi
                              skip:int|None=None # windows read but not scored first (None: those the largest size needs to fill its memories)
                             ) -> list: # [dict(n_cm, n_m, slots, temporal_range, loss, bpb, tokens, skip)] one per size
     "Bits per byte of one model evaluated with each compressed-memory size (the paper's Tables 8-9, App. B), every size scored on the same windows."
-    n_m = model.n_m if n_m is None else n_m
+    n_m, c = model.n_m if n_m is None else n_m, model.cfg.c
     if not n_cm_values: raise ValueError("eval_across_memory_sizes got no sizes: pass n_cm_values, e.g. [0, 64, 128]")
-    if skip is None: skip = warmup_windows(getattr(loader, 'n_s', model.cfg.n_s), n_m, max(n_cm_values), model.cfg.c)
-    read = len(loader) if max_batches is None and hasattr(loader, '__len__') else max_batches
+    if iter(loader) is loader: raise TypeError("eval_across_memory_sizes reads the loader once per size: pass a loader or a list, not an iterator")
+    if skip is None: skip = warmup_windows(getattr(loader, 'n_s', model.cfg.n_s), n_m, max(n_cm_values), c)
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0: raise ValueError(f"skip={skip!r} must be an int >= 0 (windows read but not scored)")
+    n = [k for k in (max_batches, len(loader) if hasattr(loader, '__len__') else None) if k is not None]
+    read = min(n) if n else None                                          # windows each evaluation reads, where known
     if read is not None and skip >= read:
         raise ValueError(f"eval_across_memory_sizes: the first {skip} windows are not scored (the memories of n_cm = "
                          f"{max(n_cm_values)} fill in them), and only {read} are read: read more (max_batches, a longer "
@@ -471,7 +474,8 @@ def eval_across_memory_sizes(model:CompressiveTransformer, # a trained Compressi
     rows = []
     for n_cm in n_cm_values:
         ev = evaluate(model, _unscored(loader, skip), mem_len=n_m, max_batches=max_batches, n_cm=n_cm)
-        rows.append(dict(n_cm=n_cm, n_m=n_m, slots=n_m + n_cm, temporal_range=ct_temporal_range(len(model.layers), n_m, n_cm, model.cfg.c),
+        m = held_memory(n_m, n_cm, c)                                     # n_m, or whole blocks of c (notebook 05)
+        rows.append(dict(n_cm=n_cm, n_m=n_m, slots=m + n_cm, temporal_range=ct_temporal_range(len(model.layers), m, n_cm, c),
                          loss=ev['loss'], bpb=ev['bpb'], tokens=ev['tokens'], skip=skip))
     return rows
 

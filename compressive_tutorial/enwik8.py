@@ -16,7 +16,7 @@ import torch
 from .data import ENWIK8_URL, Batch, StreamLoader, data_cache_dir, fixture_download
 from .model import CTConfig, build_model, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
-from .analysis import eval_across_memory_sizes, plot_memory_sweep
+from .analysis import eval_across_memory_sizes, plot_memory_sweep, warmup_windows
 from .cli import load_corpus, n_params, paper_schedule
 from .experiments import _data_key
 
@@ -71,7 +71,7 @@ def _preset(target, l, d, n_s, B, steps, **kw):
 ENWIK8_PRESETS = {
     'tiny': _preset('the tests: seconds on a CPU', 2, 32, 12, 4, 60, lr_max=3e-3, eval_batch_size=4,
                     ckpt_every=10, eval_every=20, eval_batches=2, log_every=5),
-    'cpu': _preset('this notebook on a 2-core CPU: about 7 minutes of training, 4 of evaluation', 3, 128, 96, 16, 1_500, lr_max=2e-3,
+    'cpu': _preset('this notebook on a 2-core CPU: 4-7 minutes of training, 2-4 of evaluation', 3, 128, 96, 16, 1_500, lr_max=2e-3,
                    ckpt_every=250, eval_every=250, eval_batches=8),
     't4': _preset("Colab's free T4 (16 GB, fp16): 2-10 hours (estimate)", 12, 512, 384, 16, 50_000, dropout=0.1, ckpt_every=2_000),
     'l4': _preset("Colab's L4 (24 GB, bf16): 2-10 hours (estimate)", 12, 768, 576, 16, 28_000, dropout=0.1, ckpt_every=2_000),
@@ -89,7 +89,7 @@ GPUS = {  # name: (dense tensor-core peak FLOP/s of the precision used there, me
     'A100': (312e12, 40.0, 'bf16'),
     'H100': (989e12, 80.0, 'bf16'),
 }
-MFU_MEASURED = 0.06   # our eager CT's model-FLOP utilisation on an H100 and an H200 (notebook 15: 5-8%)
+MFU_MEASURED = 0.06   # our eager CT's model-FLOP utilisation on an H100 and an H200 (notebook 15: 5-6%; 8% with CUDA graphs)
 PRESET_GPU = {'t4': 'T4', 'l4': 'L4', 'a100': 'A100', 'h100': 'H100', 'h100-books': 'H100'}
 GIB = 2**30
 
@@ -245,7 +245,7 @@ def evaluate_protocol(model, # a trained Compressive Transformer (e.g. `train_pr
                       preset:Enwik8Preset, # the run it comes from
                       data:dict, # {'valid', 'test'}: byte-level Corpus
                       sizes:list|None=None, # compressed memory sizes for the validation sweep (None: `sweep_sizes`)
-                      valid_batches:int|None=None, # windows of the validation sweep (None: the whole split)
+                      valid_batches:int|None=None, # scored windows of the validation sweep, after the warm-up (None: the whole split)
                       test_batches:int|None=None, # windows of the test evaluation (None: the whole split, every byte once)
                      ) -> dict: # sweep rows, the chosen size, and the test results at it and at the training size
     "The paper's evaluation: sweep n_cm on the validation split, then bits per character on the test split."
@@ -258,7 +258,10 @@ def evaluate_protocol(model, # a trained Compressive Transformer (e.g. `train_pr
     B, n_s = preset.eval_batch_size, preset.n_s
     t0 = time.perf_counter()
     sizes = sweep_sizes(preset) if sizes is None else sizes
-    sweep = eval_across_memory_sizes(model, StreamLoader(data['valid'], B, n_s), sizes, max_batches=valid_batches)
+    if not sizes: raise ValueError("evaluate_protocol got no sizes: pass None (sweep_sizes) or a list of n_cm values")
+    skip = warmup_windows(n_s, preset.n_m, max(sizes), preset.c)        # the windows that fill the largest size: read, not scored
+    sweep = eval_across_memory_sizes(model, StreamLoader(data['valid'], B, n_s), sizes, skip=skip,
+                                     max_batches=None if valid_batches is None else skip + valid_batches)
     best = min(sweep, key=lambda r: r['bpb'])['n_cm']
     test_dl = StreamLoader(data['test'], B, n_s)                         # tail='pad': every test byte is scored once
     test = {n: evaluate(model, test_dl, n_cm=n, max_batches=test_batches) for n in dict.fromkeys([best, preset.n_cm])}

@@ -1,5 +1,5 @@
 """CPU checks of the fast paths of issue 13: each one against the explicit computation it replaces (runs under plain `pytest tests/`)."""
-import math
+import contextlib, math, traceback
 from dataclasses import replace
 import pytest
 import torch
@@ -86,9 +86,14 @@ _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA')
 # so each shape needs its own graph (dynamic=False) and no graph ever writes another one's memory.
 _TREES = dict(mode='reduce-overhead')
 _NO_TREES = dict(dynamic=False, options={'triton.cudagraphs': True, 'triton.cudagraph_trees': False})
-_NO_TREES_FAILS = pytest.mark.xfail(raises=AssertionError, strict=True, reason="seen on an H200 with torch 2.11: inductor's "
-                                     "CUDA graphs without trees assert that an input it took for static (a weight or buffer) keeps "
-                                     "its address, and one does not (`assert dst.data_ptr() == src.data_ptr()`, compile_fx.py)")
+@contextlib.contextmanager
+def _no_trees_assert(active:bool):
+    "Without trees, inductor's own assert that an input it took for static keeps its address failed (seen on an H200 with torch 2.11: an expected failure); any other error, and any failed check of the test's, is not."
+    try: yield
+    except AssertionError as e:
+        if active and '_inductor' in traceback.extract_tb(e.__traceback__)[-1].filename:
+            pytest.xfail("inductor's CUDA graphs without trees: `assert dst.data_ptr() == src.data_ptr()` (compile_fx.py), seen on an H200 with torch 2.11")
+        raise
 _COMPILE = {'cpu': ('cpu', {}, False), 'cuda': ('cuda', {}, False), 'cuda-graphs': ('cuda', _TREES, False),
             'cuda-graphs-keepalive': ('cuda', _TREES, True), 'cuda-graphs-no-trees': ('cuda', _NO_TREES, False)}
 
@@ -103,7 +108,7 @@ _COMPILE = {'cpu': ('cpu', {}, False), 'cuda': ('cuda', {}, False), 'cuda-graphs
                                       raises=RuntimeError, strict=True, reason="seen on an H200 with torch 2.11: the same error "
                                       "with every layer's outputs kept referenced until the backward ran, so that reading of "
                                       "#194124 does not explain it")]),
-                                  pytest.param('cuda-graphs-no-trees', marks=[_cuda, _NO_TREES_FAILS])])
+                                  pytest.param('cuda-graphs-no-trees', marks=_cuda)])
 def test_compiled_layers_equal_eager(case):
     "torch.compile of every layer (and with CUDA graphs, three ways): no graph break, every graph replayed, and the same losses, gradients and evaluation logits as eager."
     import copy, torch._dynamo
@@ -125,7 +130,7 @@ def test_compiled_layers_equal_eager(case):
     step = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)   # a new window: graphs' old outputs may go
     x = torch.randint(0, 32, (2, 8), device=device)
     states = [None, None]
-    with torch._dynamo.config.patch(recompile_limit=64):   # dynamic=False: a graph for each memory length while they fill
+    with torch._dynamo.config.patch(recompile_limit=64), _no_trees_assert(case == 'cuda-graphs-no-trees'):   # dynamic=False: a graph per memory length
         for _ in range(6):                                  # by the 4th window memory and compressed memory are full
             losses = []; step(); kept.clear()               # (kept: the last window's backward has run)
             for i, m in enumerate((eager, compiled)):
@@ -145,7 +150,7 @@ def test_compiled_layers_equal_eager(case):
 
 
 @_cuda
-@pytest.mark.parametrize('kw', [_TREES, pytest.param(_NO_TREES, marks=_NO_TREES_FAILS)], ids=['trees', 'no-trees'])
+@pytest.mark.parametrize('kw', [_TREES, _NO_TREES], ids=['trees', 'no-trees'])
 def test_cuda_graph_inference_equals_eager(kw):
     "Evaluation with every layer replayed as a CUDA graph: the eager logits, call after call, while the memories fill and after, in calls that end inside a window too (the state keeps copies of what the graphs return: notebook 06)."
     import copy, torch._dynamo
@@ -158,7 +163,7 @@ def test_cuda_graph_inference_equals_eager(kw):
     assert graphs.copy_layer_outputs
     x = torch.randint(0, 32, (2, 8 * 8), device='cuda')
     states, s = [None, None], 0
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):   # each kind of call compiled, none run eagerly
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64), _no_trees_assert(kw is _NO_TREES):   # each call compiled
         for n in [8] * 5 + [3, 5, 8, 2, 6]:
             torch.compiler.cudagraph_mark_step_begin()
             (la, _, states[0]), (lb, _, states[1]) = eager(x[:, s:s + n], states[0]), graphs(x[:, s:s + n], states[1])
