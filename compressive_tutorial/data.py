@@ -573,6 +573,7 @@ class StreamLoader:
         k = (d - self.starts[b]) // n_s                                 # its window
         keep = k < n_win                                                # (dropped tail windows have none)
         self.resets[k[keep], b[keep]] = True
+        self._fingerprint = None                                        # `fingerprint()`, made when first asked for
 
     def __len__(self): return self.n_win
     @property
@@ -589,6 +590,15 @@ class StreamLoader:
         if pad.any(): x[pad], y[pad] = 0, IGNORE_INDEX
         batch = Batch(x, y, torch.from_numpy(self.resets[k].copy()))
         return batch if self.device is None else batch.to(self.device)
+
+    def fingerprint(self) -> str:
+        "A SHA-256 (16 hex digits) of what the windows are made of: the layout (batch_size, n_s, tail), every stream's tokens as int64 and the reset flags. Two loaders give the same batches exactly when their fingerprints agree; a checkpoint keeps it, so that a run resumes on the data it was trained on."
+        if self._fingerprint is None:                                   # once per loader: a pass over the tokens
+            h = hashlib.sha256(f'{self.batch_size} {self.n_s} {self.tail} {self.n_win}'.encode())
+            h.update(self.n_valid.astype(np.int64).tobytes()); h.update(self.resets.tobytes())
+            for row in self.grid: h.update(row.astype(np.int64).tobytes())   # (a row at a time: no int64 copy of the whole corpus)
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
 
     def windows(self, start:int=0) -> Iterator[Batch]:
         "Batches from window `start` to the end (resume a run from a data position)."

@@ -316,6 +316,11 @@ def average_grads(params:list, # parameters outside DDP, the same list on every 
         p.grad = None if n == 0 else (g / world).to(p.device, p.dtype)
 
 # %% ../nbs/06_training.ipynb #a2dfdd0d
+def _fingerprint(loader) -> str|None:
+    "The loader's `fingerprint()` (StreamLoader), or None for a loader that has none."
+    fp = getattr(loader, 'fingerprint', None)
+    return fp() if callable(fp) else None
+
 class Trainer:
     "Trains any model of the package's interface window after window; saves and resumes runs exactly."
     def __init__(self, model:nn.Module, # a model of the package's interface: init_state, forward -> (logits, loss, state)
@@ -634,6 +639,7 @@ class Trainer:
             tensors.update(t)
             meta['state_batch_size'] = self._batch_size * self.world                 # the global batch
         meta['loader_n_s'] = getattr(self.train_loader, 'n_s', None)                # the windows `window` counts
+        meta['data_fingerprint'] = _fingerprint(self.train_loader)                  # what they are made of (StreamLoader)
         t, meta['rng'] = rng_state(self.device); tensors.update(t)
         return tensors, meta
 
@@ -664,6 +670,11 @@ class Trainer:
         if ns is not None and loader_ns is not None and loader_ns != ns:
             raise ValueError(f"{path or 'the checkpoint'} was trained on windows of {ns} steps, but the train loader gives {loader_ns}: "
                              f"resume with the same loader (n_s={ns}); the run's data position counts those windows")
+        fp, loader_fp = meta.get('data_fingerprint'), _fingerprint(self.train_loader)   # (older checkpoints: none kept)
+        if fp is not None and loader_fp is not None and fp != loader_fp:
+            raise ValueError(f"{path or 'the checkpoint'} was trained on other data than this train loader gives (fingerprint {fp}, "
+                             f"the loader's {loader_fp}): resume with the loader it was trained on (the same corpus and split, "
+                             "batch_size, n_s and tail), or start a new run in an empty folder")
         check_model(meta, self.model, path or 'the checkpoint'); _set_weights(self.model, tensors, path or 'the checkpoint')
         for name, opt in (('opt', self.opt), ('copt', self.copt)):
             saved = name in meta['skeleton']
