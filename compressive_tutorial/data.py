@@ -8,12 +8,12 @@ __all__ = ['IGNORE_INDEX', 'ENWIK8_URL', 'ENWIK8_SIZE', 'ENWIK8_MD5', 'SPLITS', 
            'DEBIAN_MIRRORS', 'BIBLE_DEBS', 'ByteTokenizer', 'Document', 'Corpus', 'encode_documents', 'repo_root',
            'data_cache_dir', 'find_shared_data', 'file_digest', 'verify_file', 'download_file', 'get_enwik8',
            'load_enwik8', 'strip_gutenberg', 'read_text', 'hash_split', 'read_split_table', 'load_books', 'count_words',
-           'split_table', 'load_wikitext103', 'load_pg19', 'SubwordTokenizer', 'train_sentencepiece', 'word_perplexity',
-           'Batch', 'StreamLoader', 'plot_stream_layout', 'fixture_download', 'books_sources_tsv', 'book_source',
-           'sha256_file', 'verify_sha256', 'extract_deb', 'fetch_books', 'books_folder']
+           'split_table', 'load_wikitext103', 'load_pg19', 'SubwordTokenizer', 'train_sentencepiece', 'sample_lines',
+           'word_perplexity', 'Batch', 'StreamLoader', 'plot_stream_layout', 'fixture_download', 'books_sources_tsv',
+           'book_source', 'sha256_file', 'verify_sha256', 'extract_deb', 'fetch_books', 'books_folder']
 
 # %% ../nbs/00_data.ipynb #dd36864d
-import codecs, csv, hashlib, io, itertools, math, os, re, urllib.request, warnings, zipfile, zlib
+import codecs, csv, hashlib, io, itertools, math, os, random, re, urllib.request, warnings, zipfile, zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -489,23 +489,38 @@ def train_sentencepiece(texts, # training text: a str, or a list of str / `Docum
                         seed:int=0, # seed of that sample
                         **kwargs, # any other `sentencepiece.SentencePieceTrainer` option
                        ) -> SubwordTokenizer:
-    "Train a lossless (identity-normalised, byte-fallback) sentencepiece model in memory."
+    "Train a lossless (identity-normalised, byte-fallback) sentencepiece model in memory: the same texts, size and seed give the same vocabulary in any process."
     import sentencepiece as spm
     if isinstance(texts, (str, Document)): texts = [texts]
-    lines = (l for t in texts for l in (t.text if isinstance(t, Document) else t).split('\n') if l.strip())   # a stream: sentencepiece
-    first = next(lines, None)                                                 # keeps its own sample of max_lines, not all of them
+    if isinstance(max_lines, bool) or not isinstance(max_lines, int) or max_lines < 0: raise ValueError(f'max_lines={max_lines!r} must be an int >= 0 (0: all lines)')
+    lines = (l for t in texts for l in (t.text if isinstance(t, Document) else t).split('\n') if l.strip())   # a stream: no copy of the corpus
+    first = next(lines, None)
     if first is None: raise ValueError('empty corpus: no text to train the subword vocabulary on')
     if vocab_size <= 260: raise ValueError(f'vocab_size={vocab_size} is too small: byte fallback alone needs 256 + 4 pieces; use 300 or more')
+    lines = itertools.chain([first], lines)
+    if max_lines: lines = iter(sample_lines(lines, max_lines, seed))        # our sample: sentencepiece's own is not reproducible
     model = io.BytesIO()
     opts = dict(vocab_size=vocab_size, model_type=model_type, character_coverage=0.9995, byte_fallback=True,
                 normalization_rule_name='identity', remove_extra_whitespaces=False, add_dummy_prefix=False,
                 allow_whitespace_only_pieces=True, split_digits=True, user_defined_symbols=['\n'],
-                hard_vocab_limit=False, input_sentence_size=max_lines, shuffle_input_sentence=True,
-                minloglevel=2, num_threads=os.cpu_count() or 1)
+                hard_vocab_limit=False, input_sentence_size=0, minloglevel=2, num_threads=os.cpu_count() or 1)
     opts.update(kwargs)
     spm.set_random_generator_seed(seed)
-    spm.SentencePieceTrainer.train(sentence_iterator=itertools.chain([first], lines), model_writer=model, **opts)
+    spm.SentencePieceTrainer.train(sentence_iterator=lines, model_writer=model, **opts)
     return SubwordTokenizer(model.getvalue())
+
+def sample_lines(lines, # any iterable of lines, read once
+                 k:int, # how many to keep
+                 seed:int=0,
+                ) -> list: # min(k, all) lines, in the order they came
+    "A uniform sample of k lines from a stream of unknown length (reservoir sampling, Algorithm R), seeded: the same lines in every process."
+    rng, kept = random.Random(seed), []
+    for i, line in enumerate(lines):
+        if i < k: kept.append((i, line))
+        else:
+            j = rng.randrange(i + 1)                                        # line i replaces a kept one with probability k/(i+1)
+            if j < k: kept[j] = (i, line)
+    return [line for _, line in sorted(kept)]
 
 # %% ../nbs/00_data.ipynb #4de34d82
 PG19_WORDS = {'train': 1_973_136_207, 'valid': 3_007_061, 'test': 6_966_499}  # words per PG-19 split (paper Table 2)
