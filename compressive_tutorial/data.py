@@ -81,6 +81,7 @@ def _check_doc_starts(doc_starts, n:int) -> np.ndarray:
         raise ValueError(f'doc_starts must be integer token positions, got {raw[raw != np.round(raw)][:3].tolist()}')
     ds = raw.astype(np.int64)
     if n == 0: return ds[:0]
+    if (ds < 0).any(): raise ValueError(f'doc_starts must be token positions >= 0, got {ds[ds < 0][:3].tolist()}')
     if ds.size == 0 or ds[0] != 0: ds = np.concatenate([[0], ds])
     if (np.diff(ds) <= 0).any(): raise ValueError('doc_starts must be strictly increasing token positions')
     if ds[-1] >= n: raise ValueError(f'doc_starts must be < the number of tokens ({n}); got {ds[-1]}')
@@ -344,7 +345,9 @@ def read_split_table(path, # a SOURCES.tsv-style file: a `file` column and a `sp
     if 'file' not in cols or col is None:
         raise ValueError(f"{path} needs a 'file' column and a 'split' (or 'suggested_split') column; it has {list(cols)}")
     out = {}
-    for r in rows:
+    for r in rows:                                                         # (a short row has None for its missing cells)
+        if not r['file']: raise ValueError(f"{path}: a row has no file name ({list(r.values())}): give every row a file and a split, separated by a tab")
+        if r[col] is None: raise ValueError(f"{path}: the row of {r['file']} has no {col} cell: give every row a file and a split, separated by a tab")
         s = _SPLIT_ALIASES.get(r[col].strip().lower())
         if s is None: raise ValueError(f"{path}: split {r[col]!r} of {r['file']} is not one of train/valid/test")
         out[r['file']] = s
@@ -383,11 +386,11 @@ def count_words(texts, # a str, a `Document`, or a list of them
 def split_table(splits:dict, # {'train': [Document], ...}
                ) -> str: # a markdown table
     "Documents, UTF-8 bytes, words and the non-UTF-8 files of each split, as a markdown table."
-    rows = ['| split | documents | bytes | words | decoded as Latin-1 |', '|---|---:|---:|---:|---|']
+    rows = ['| split | documents | bytes | words | not UTF-8 (decoded as) |', '|---|---:|---:|---:|---|']
     for s, docs in splits.items():
         nb = sum(len(d.text.encode('utf-8')) for d in docs)
-        latin = ', '.join(d.name for d in docs if d.meta.get('encoding', 'utf-8') != 'utf-8')
-        rows.append(f'| {s} | {len(docs)} | {nb:,} | {count_words(docs):,} | {latin} |')
+        other = ', '.join(f"{d.name} ({d.meta['encoding']})" for d in docs if d.meta.get('encoding', 'utf-8') != 'utf-8')
+        rows.append(f'| {s} | {len(docs)} | {nb:,} | {count_words(docs):,} | {other} |')
     return '\n'.join(rows)
 
 # %% ../nbs/00_data.ipynb #8be7f08f
@@ -607,7 +610,7 @@ class StreamLoader:
         return batch if self.device is None else batch.to(self.device)
 
     def fingerprint(self) -> str:
-        "A SHA-256 (16 hex digits) of what the windows are made of: the layout (batch_size, n_s, tail), every stream's tokens as int64 and the reset flags. Two loaders give the same batches exactly when their fingerprints agree; a checkpoint keeps it, so that a run resumes on the data it was trained on."
+        "A SHA-256 (16 hex digits) of what the windows are made of: the layout (batch_size, n_s, tail), every stream's tokens as int64 and the reset flags. Loaders whose fingerprints agree give the same batches (a loader whose `tail` differs counts as other data, even where no batch changes); a checkpoint keeps it, so that a run resumes on the data it was trained on."
         if self._fingerprint is None:                                   # once per loader: a pass over the tokens
             h = hashlib.sha256(f'{self.batch_size} {self.n_s} {self.tail} {self.n_win}'.encode())
             h.update(self.n_valid.astype(np.int64).tobytes()); h.update(self.resets.tobytes())
@@ -848,7 +851,11 @@ def fetch_books(folder=None, # where the books go; None: `data_cache_dir()/'book
                     raise FileNotFoundError(
                         f"could not fetch {r[0]} ({r[1]}) from {src.get('url') or r[4]} ({type(e).__name__}: {e}). On a machine "
                         f"with internet, call again; or put the file at {folder/r[0]} by hand (size {r[6]:,}, sha256 {r[7]}).") from e
-                verify_sha256(part, r[6], r[7], what=f'{r[0]} ({r[1]})')
+                n, got = part.stat().st_size, sha256_file(part)             # what the source served (the scratch file goes with the folder)
+                if (n, got) != (r[6], r[7]):
+                    raise ValueError(f"{src.get('url') or r[4]} served {n:,} bytes with sha256 {got}, but {r[0]} ({r[1]}) has {r[6]:,} "
+                                     f"bytes and sha256 {r[7]}: the source has changed, so calling again will not help. Put the book "
+                                     f"(that size and sha256) at {folder/r[0]} by hand.")
                 part.replace(folder/r[0])
     (folder/'SOURCES.tsv').write_text(books_sources_tsv(sources), encoding='utf-8')
     return folder

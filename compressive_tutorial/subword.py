@@ -20,9 +20,10 @@ def evaluate_words(model, # a model of the package's interface
                    corpus, # one whole split (a token `Corpus`)
                    n_words:int, # the words of that split (`count_words`)
                    batch_size:int=16, # streams
+                   precision:str='auto', # as the model was trained (`TrainConfig.precision`): see `evaluate`
                   ) -> dict: # evaluate's dict: loss (nats per token), tokens, nats, word_ppl; plus words, tokens_per_word
     "Word-level perplexity (§4.2) of a whole split: every token scored once, the summed loss divided by its words."
-    ev = evaluate(model, StreamLoader(corpus, batch_size, model.cfg.n_s, tail='pad'), n_words=n_words)
+    ev = evaluate(model, StreamLoader(corpus, batch_size, model.cfg.n_s, tail='pad'), n_words=n_words, precision=precision)
     return {**ev, 'words': n_words, 'tokens_per_word': ev['tokens'] / n_words}
 
 # %% ../nbs/14_books_subword.ipynb #93146199
@@ -69,20 +70,21 @@ def run_words(kind:str, # 'txl' or 'ct'
               data:dict, # `subword_data(...)`
               batch_size:int=16, # training streams
               eval_batch_size:int=16, # streams of the whole-split evaluations
+              eval_windows:int=4, # windows of valid and test that `run` measures in bits per token (its curve's last point)
               **run_kw, # seed, device, name, cache: see `experiments.run`
              ) -> dict: # `run`'s result plus valid/test word-level perplexity over the whole splits
     "Train with `experiments.run`, then score the whole validation and test splits in word-level perplexity."
     if cfg.vocab_size != data['tokenizer'].vocab_size:
         raise ValueError(f"cfg.vocab_size={cfg.vocab_size} but the tokenizer has {data['tokenizer'].vocab_size} pieces: "
                          "build the config with vocab_size=data['tokenizer'].vocab_size")
-    res = run(kind, cfg, train_cfg, steps, data['corpora'], batch_size=batch_size, eval_windows=4,
+    res = run(kind, cfg, train_cfg, steps, data['corpora'], batch_size=batch_size, eval_windows=eval_windows,
               eval_batch_size=eval_batch_size, verbose=False, **run_kw)
     cache = run_kw.get('cache')
     wpath = None if cache is None else Path(cache)/f"words-{res['key']}-{sum(data['words'].values())}.json"
     if wpath is not None and res.get('cached') and wpath.is_file(): return {**res, **json.loads(wpath.read_text())}
     t0, out = time.perf_counter(), {}
     for s in ('valid', 'test'):
-        ev = evaluate_words(res['model'], data['corpora'][s], data['words'][s], eval_batch_size)
+        ev = evaluate_words(res['model'], data['corpora'][s], data['words'][s], eval_batch_size, train_cfg.precision)
         out.update({f'{s}_word_ppl': ev['word_ppl'], f'{s}_token_ppl': math.exp(ev['loss']), f'{s}_tokens': ev['tokens'],
                     f'{s}_words': ev['words'], f'{s}_nats': ev['nats']})
     out['word_eval_s'] = time.perf_counter() - t0
