@@ -412,27 +412,27 @@ def _reset_peak():
     "Start a new high-water mark: Linux resets VmHWM to the current RSS when 5 is written to clear_refs."
     with open('/proc/self/clear_refs', 'w') as f: f.write('5')
 
-def _peak_child(name:str, cfg_json:str):
-    "In a fresh process: the peak resident memory above the built model, for inference then training (memories full)."
+def _peak_child(name:str, cfg_json:str, phase:str):
+    "In a fresh process: the peak resident memory of one phase's windows (memories filling, then full) above the built model, in the benchmark's precision."
     cfg = BenchConfig(**json.loads(cfg_json))
     if cfg.threads: torch.set_num_threads(cfg.threads)
     r = make_runners(replace(cfg, impls=(name,)))[0][name]
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s))
-    out = []
-    for phase in ('infer', 'train'):
-        if r.compiled: r.warm_up(phase, lambda i: (x, x), cfg)   # a compiled model compiles first: not the model's memory
-        r.reset(); gc.collect()
-        base = _rss_mib(); _reset_peak()
+    if r.compiled: r.warm_up(phase, lambda i: (x, x), cfg)       # a compiled model compiles first: not the model's memory
+    r.reset(); gc.collect()
+    base = _rss_mib(); _reset_peak()
+    with _autocast(cfg):                                          # as the timed windows run
         for _ in range(cfg.warm): r.step(phase, x, x)
-        out.append(_rss_mib('VmHWM') - base)
-    print(json.dumps([out[1], out[0]]))
+    print(json.dumps(_rss_mib('VmHWM') - base))
 
 def cpu_peak_mib(name:str, cfg:BenchConfig) -> tuple:
-    "(training, inference) peak resident memory in MiB above a fresh process holding the built model (CPU, Linux)."
-    code = f"from compressive_tutorial.bench import _peak_child; _peak_child({name!r}, {json.dumps(json.dumps(asdict(cfg)))})"
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
-    if out.returncode: raise RuntimeError(f"peak-memory child for {name} failed:\n{out.stderr[-2000:]}")
-    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+    "(training, inference) peak resident memory in MiB above a fresh process holding the built model (CPU, Linux): each phase in a process of its own, since memory one phase freed stays with the process and would hide the other's."
+    def child(phase):
+        code = f"from compressive_tutorial.bench import _peak_child; _peak_child({name!r}, {json.dumps(json.dumps(asdict(cfg)))}, {phase!r})"
+        out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+        if out.returncode: raise RuntimeError(f"peak-memory child for {name} ({phase}) failed:\n{out.stderr[-2000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    return child('train'), child('infer')
 
 # %% ../nbs/15_performance.ipynb #b1500022
 def report(r:dict # what `run_benchmark` returned

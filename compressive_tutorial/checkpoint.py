@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['CKPT_FORMAT', 'IMPL_FIELDS', 'flatten_tree', 'unflatten_tree', 'rng_state', 'set_rng_state', 'CheckpointError',
-           'checksum', 'previous_checkpoint', 'save_checkpoint', 'load_checkpoint', 'model_meta', 'check_model',
-           'load_weights', 'NonFiniteError', 'TrainingInterrupted', 'StopSignals', 'RunFolderBusy', 'folder_lock']
+           'checksum', 'previous_checkpoint', 'write_atomic', 'save_checkpoint', 'load_checkpoint', 'model_meta',
+           'check_model', 'load_weights', 'NonFiniteError', 'TrainingInterrupted', 'StopSignals', 'RunFolderBusy',
+           'folder_lock']
 
 # %% ../nbs/90_appendix_checkpoints.ipynb #imports
 import contextlib, dataclasses, hashlib, json, os, random, shlex, shutil, signal, socket, tempfile, threading, time
@@ -129,6 +130,38 @@ def _link_or_copy(src:Path, dst:Path):
     except OSError: shutil.copyfile(src, tmp)
     os.replace(tmp, dst)
 
+def write_atomic(path, # the file to write; its folder must exist
+                 data:bytes|str, # the whole new content (a str is written as UTF-8)
+                 check=None, # check(tmp_path): called once the new file is on disk, before it replaces `path`; raise to keep the old one
+                 on_chunk=None, # called as on_chunk(bytes_written) after each chunk; lets tests slow or break a write
+                 chunk_size:int=1 << 20, # bytes per write call
+                ) -> Path:
+    "Replace `path` with `data` so that a reader finds the old file or the whole new one, never a part: a temporary file in the same folder, on disk, checked, then renamed."
+    path = Path(path)
+    if not path.parent.is_dir(): raise FileNotFoundError(f"folder {path.parent} does not exist; create it before writing {path.name} there")
+    if isinstance(data, str): data = data.encode('utf-8')
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')   # 1. same folder: os.replace stays atomic
+    try:
+        umask = os.umask(0); os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)                                             # mkstemp's 0600 -> the usual file mode
+        with os.fdopen(fd, 'wb') as f:
+            for i in range(0, len(data), chunk_size):
+                f.write(data[i:i + chunk_size])                                   # 2. the bytes
+                if on_chunk is not None: f.flush(); on_chunk(min(i + chunk_size, len(data)))
+            f.flush(); os.fsync(f.fileno())                                       # 3. on disk before the name points at them
+        if check is not None: check(Path(tmp))                                    # 4. e.g. read back against a checksum
+        os.replace(tmp, path)                                                     # 5. atomic switch: old file or new file
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError): os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):                                            # 6. make the rename itself durable
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try: os.fsync(dfd)
+        finally: os.close(dfd)
+    for old in path.parent.glob(f'.{path.name}.*.tmp'):
+        with contextlib.suppress(OSError): old.unlink()                           # leftovers of killed writes
+    return path
+
 def save_checkpoint(path, # the checkpoint, e.g. `runs/x/last.safetensors`
                     tensors:dict, # {name: tensor}
                     meta:dict, # JSON-able scalars, config, history, skeletons
@@ -142,27 +175,12 @@ def save_checkpoint(path, # the checkpoint, e.g. `runs/x/last.safetensors`
     tensors = {k: v.detach().to('cpu', copy=True).contiguous() for k, v in tensors.items()}   # copies: shared storage is refused
     meta_json = json.dumps(meta)
     data = safetensors.torch.save(tensors, metadata={'format': CKPT_FORMAT, 'meta': meta_json, 'sha256': checksum(tensors, meta_json)})
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')   # 1. same folder: os.replace stays atomic
-    try:
-        umask = os.umask(0); os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)                                             # mkstemp's 0600 -> the usual file mode
-        with os.fdopen(fd, 'wb') as f:
-            for i in range(0, len(data), chunk_size):
-                f.write(data[i:i + chunk_size])                                   # 2. the bytes
-                if on_chunk is not None: f.flush(); on_chunk(min(i + chunk_size, len(data)))
-            f.flush(); os.fsync(f.fileno())                                       # 3. on disk before the name points at them
-        load_checkpoint(tmp)                                                      # 4. read back: it must verify to replace anything
-        if keep_previous and path.is_file(): _link_or_copy(path, previous_checkpoint(path))   # 5. the old one stays, as .prev
-        os.replace(tmp, path)                                                     # 6. atomic switch: old file or new file
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError): os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):                                            # 7. make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try: os.fsync(dfd)
-        finally: os.close(dfd)
-    for old in [*path.parent.glob(f'.{path.name}.*.tmp'), *path.parent.glob(f'.{previous_checkpoint(path).name}.*.tmp')]:
-        with contextlib.suppress(OSError): old.unlink()                           # leftovers of killed writes
+    def verify_then_keep(tmp:Path):
+        load_checkpoint(tmp)                                                      # read back: it must verify to replace anything
+        if keep_previous and path.is_file(): _link_or_copy(path, previous_checkpoint(path))   # the old one stays, as .prev
+    write_atomic(path, data, verify_then_keep, on_chunk, chunk_size)
+    for old in path.parent.glob(f'.{previous_checkpoint(path).name}.*.tmp'):
+        with contextlib.suppress(OSError): old.unlink()                           # leftovers of killed `keep_previous` links
     return path
 
 def _kept(path:Path) -> str:

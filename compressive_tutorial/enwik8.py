@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from .data import ENWIK8_URL, Batch, StreamLoader, data_cache_dir, fixture_download
+from .checkpoint import IMPL_FIELDS, write_atomic
 from .model import CTConfig, build_model, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
 from .analysis import eval_across_memory_sizes, plot_memory_sweep, warmup_windows
@@ -52,6 +53,11 @@ class Enwik8Preset:
     eval_batches:int = 50     # windows per validation point
     log_every:int = 50        # iterations per row of the training history
     seed:int = 0
+
+    def __post_init__(self):
+        if isinstance(self.ckpt_every, bool) or not isinstance(self.ckpt_every, int) or self.ckpt_every < 1:   # (TrainConfig's 0, "by time only", is not a chunk)
+            raise ValueError(f"Enwik8Preset.ckpt_every={self.ckpt_every!r} must be a positive int: `train_protocol` trains in chunks of "
+                             "ckpt_every iterations and checkpoints after each")
 
     def model_config(self) -> CTConfig:
         "The Compressive Transformer of this preset: conv f_c trained by the attention-reconstruction loss."
@@ -201,7 +207,7 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
             raise ValueError(f'{folder} holds a run of another preset or data (differs in {diff}); continue it with the same '
                              'preset and data, or give this run another folder')
     else:
-        tmp = folder/'.protocol.json.tmp'; tmp.write_text(json.dumps(spec, indent=1)); tmp.replace(fspec)
+        write_atomic(fspec, json.dumps(spec, indent=1))
     dev = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     cfg, tcfg = preset.model_config(), preset.train_config(progress)
     u = windows_per_call(cfg)
@@ -234,7 +240,7 @@ def sessions(folder) -> list:
 def _record_session(folder:Path, row:dict):
     "Write `row` into the run's sessions.jsonl, replacing the line of the same session; atomically."
     rows = [r for r in sessions(folder) if r.get('session') != row['session']] + [row]
-    tmp = folder/'.sessions.jsonl.tmp'; tmp.write_text(''.join(json.dumps(r) + '\n' for r in rows)); tmp.replace(folder/'sessions.jsonl')
+    write_atomic(folder/'sessions.jsonl', ''.join(json.dumps(r) + '\n' for r in rows))
 
 # %% ../nbs/13_enwik8.ipynb #4d01a1e7
 def sweep_sizes(preset:Enwik8Preset) -> list:
@@ -249,9 +255,9 @@ def evaluate_protocol(model, # a trained Compressive Transformer (e.g. `train_pr
                       test_batches:int|None=None, # windows of the test evaluation (None: the whole split, every byte once)
                      ) -> dict: # sweep rows, the chosen size, and the test results at it and at the training size
     "The paper's evaluation: sweep n_cm on the validation split, then bits per character on the test split."
-    got, want = model.cfg, preset.model_config()
-    diff = [k for k in ('n_layers', 'd_model', 'n_s', 'n_m', 'c') if getattr(got, k) != getattr(want, k)]
-    if diff: raise ValueError(f"the model does not come from this preset: it differs in {', '.join(f'{k} ({getattr(got, k)} vs {getattr(want, k)})' for k in diff)}; "
+    got, want = asdict(model.cfg), asdict(preset.model_config())
+    diff = [k for k in want if k not in ('dropout', 'dropatt', *IMPL_FIELDS) and got.get(k) != want[k]]   # what the model is, not how it trained
+    if diff: raise ValueError(f"the model does not come from this preset: it differs in {', '.join(f'{k} ({got.get(k)!r} vs {want[k]!r})' for k in diff)}; "
                               "pass the preset the model was trained with")
     missing = [s for s in ('valid', 'test') if s not in data]
     if missing: raise ValueError(f"evaluate_protocol needs the splits {missing} in data (it has {list(data)}): pass load_corpus(...)'s dict")

@@ -10,7 +10,8 @@ import hashlib, json, math, re, shutil, time
 from dataclasses import asdict, fields, MISSING
 from pathlib import Path
 import torch
-from safetensors.torch import save_file, load_file
+from safetensors.torch import load_file, save
+from .checkpoint import write_atomic
 from .data import Corpus, StreamLoader, encode_documents, load_books
 from .xl import XLConfig
 from .model import CTConfig, build_model, memory_summary, windows_per_call
@@ -132,8 +133,12 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
     key = _run_key(spec)
     if cache is not None:
         wpath, jpath = _cache_paths(cache, name, key)
+        res = None
         if wpath.is_file() and jpath.is_file():                                       # 0. an earlier call did this run: reload it
-            res, model = json.loads(jpath.read_text()), build_model(model_kind, cfg)
+            try: res = json.loads(jpath.read_text())
+            except ValueError as e: print(f'{jpath.name} does not parse ({e}): training again')   # (results are written whole now)
+        if res is not None:
+            model = build_model(model_kind, cfg)
             stale = [f'{p}{k}' for p, c in (('cfg.', cfg), ('train_cfg.', train_cfg))
                      for k in _stale({k[len(p):]: v for k, v in res.items() if k.startswith(p)}, c)]
             if stale: print(f'{jpath.name} was made with other values of {stale} (a default changed since): training again')
@@ -177,8 +182,8 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
                batch_size=batch_size, eval_windows=eval_windows, eval_batch_size=eval_batch_size)
     if cache is not None:
         Path(cache).mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().to('cpu', copy=True).contiguous() for k, v in model.state_dict().items()}, str(wpath))
-        jpath.write_text(json.dumps(res, default=str))
+        write_atomic(wpath, save({k: v.detach().to('cpu', copy=True).contiguous() for k, v in model.state_dict().items()}))
+        write_atomic(jpath, json.dumps(res, default=str))                       # last: a result is there once both files are whole
     res.update(model=model, cfg_obj=cfg)
     if verbose: print(describe(res))
     if ckpt is not None: shutil.rmtree(ckpt, ignore_errors=True)                      # the result is kept: the checkpoint is done

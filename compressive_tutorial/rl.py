@@ -32,7 +32,7 @@ from .xl import XLConfig, TransformerXL, xl_equivalent_mask, episode_reference, 
 from .model import CTConfig, CompressiveTransformer, ct_visibility_mask
 from .train import hardware, make_adam, load_optimizer_state
 from .checkpoint import (
-    save_checkpoint, load_checkpoint, flatten_tree, unflatten_tree, NonFiniteError, TrainingInterrupted, StopSignals, folder_lock)
+    save_checkpoint, load_checkpoint, flatten_tree, unflatten_tree, NonFiniteError, TrainingInterrupted, StopSignals, folder_lock, write_atomic)
 
 # %% ../nbs/12_rl.ipynb #197fe485
 def check_action(action, # what the agent passed to `step`
@@ -962,7 +962,7 @@ def run_one(name:str, # the configuration's name
     finally: torch.set_num_threads(old_threads)
     res['wall_s'] = time.perf_counter() - t0
     if path is not None:
-        tmp = Path(f'{path}.tmp'); tmp.write_text(json.dumps(res)); os.replace(tmp, path)   # atomic: a result is whole or absent
+        write_atomic(path, json.dumps(res))                               # a result is whole or absent
     return res
 
 NEUTRAL_FIELDS = ('progress', 'threads', 'ckpt_every')   # RLConfig fields a saved result is reused across: the progress bar,

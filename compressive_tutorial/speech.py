@@ -27,7 +27,7 @@ from .data import SPLITS, Corpus, StreamLoader, data_cache_dir, find_shared_data
 from .xl import TransformerXL, lm_loss
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, compression_parameters, evaluate, hardware, sample, seed_everything
-from .checkpoint import load_weights
+from .checkpoint import load_weights, write_atomic
 from .experiments import equal_cost_pair, run_label, _nondefault, _stale, _check_split, _data_key, _run_key, _run_stem, _sync
 from .cli import n_params
 
@@ -329,7 +329,7 @@ def get_ljspeech(folder=None, # where to keep LJSpeech-1.1.tar.bz2 and the extra
             raise ValueError(f'{archive} holds {sorted(p.name for p in tmp.iterdir())[:5]}, not a LJSpeech-1.1 folder: it is not the LJ Speech archive')
         (tmp/'LJSpeech-1.1').rename(out); shutil.rmtree(tmp)
     info = verify_ljspeech(out, n_clips, seconds, held)                          # 4. the clips themselves
-    mark.write_text(json.dumps(dict(info, archive_sha256=sha256, url=url)))
+    write_atomic(mark, json.dumps(dict(info, archive_sha256=sha256, url=url)))
     return out
 
 def ljspeech_folder(download:Callable=download_file, # see `get_ljspeech`
@@ -596,7 +596,7 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
                hardware=hardware(dev, train_cfg.precision), device=dev.type, seed=seed, key=key, cached=False, date=time.strftime('%Y-%m-%d %H:%M'),
                cfg=asdict(cfg), train_cfg=asdict(train_cfg),
                eval_streams=eval_streams, eval_chunks=eval_chunks)
-    if run_dir is not None: (run_dir/'result.json').write_text(json.dumps(res, default=str))
+    if run_dir is not None: write_atomic(run_dir/'result.json', json.dumps(res, default=str))
     res.update(model=model.eval())
     if verbose: print(describe_speech(res))
     return res

@@ -14,6 +14,7 @@ import torch
 from .data import PG19_BOOKS, PG19_WORDS, SPLITS, StreamLoader, count_words, encode_documents, load_pg19, train_sentencepiece
 from .train import TrainConfig, evaluate
 from .experiments import equal_cost_pair, run
+from .checkpoint import write_atomic
 
 # %% ../nbs/14_books_subword.ipynb #3c3d5f1d
 def evaluate_words(model, # a model of the package's interface
@@ -88,7 +89,7 @@ def run_words(kind:str, # 'txl' or 'ct'
         out.update({f'{s}_word_ppl': ev['word_ppl'], f'{s}_token_ppl': math.exp(ev['loss']), f'{s}_tokens': ev['tokens'],
                     f'{s}_words': ev['words'], f'{s}_nats': ev['nats']})
     out['word_eval_s'] = time.perf_counter() - t0
-    if wpath is not None: wpath.write_text(json.dumps(out))              # a cached run reloads its scores too
+    if wpath is not None: write_atomic(wpath, json.dumps(out))              # a cached run reloads its scores too
     return {**res, **out}
 
 def describe_words(res:dict) -> str:
