@@ -61,10 +61,14 @@ def attention_mask(T:int, # number of queries: the current window
     same = e[:, :, None] == e[:, None, :]                                 # (B, T, T) window: query and key in one episode
     return mask & torch.cat([old, same], 2)[:, None]                     # (B, 1, T, K)
 
+def _func_transforms_active() -> bool:
+    "Whether a `torch.func` transform (grad, vmap, jvp, ...) is running: it cannot read tensor values into Python, and our autograd.Functions have no rule for it."
+    return torch._C._are_functorch_transforms_active()
+
 def _hides_nothing(mem_valid:Tensor|None, B:int, M:int) -> bool:
     "Whether `mem_valid` is a (B, M) mask that hides no slot (then the causal mask alone will do), asked only where the answer costs no wait: on the CPU, in evaluation. (Training keeps the flow a GPU needs, with no value read back: notebook 05 counts such reads on the CPU.)"
     return (mem_valid is not None and tuple(mem_valid.shape) == (B, M) and mem_valid.device.type == 'cpu'
-            and not (torch.is_grad_enabled() or torch.compiler.is_compiling()) and bool(mem_valid.all()))
+            and not (torch.is_grad_enabled() or torch.compiler.is_compiling() or _func_transforms_active()) and bool(mem_valid.all()))
 
 # %% ../nbs/01_attention.ipynb #75161ebc
 def plot_mask(m:Tensor, # (rows, cols) bool or float matrix
@@ -289,10 +293,6 @@ def shift_masked(x:Tensor, # (..., T, K) scores against reversed distances (colu
         return rel_shift(x).masked_fill(~mask, float('-inf'))           # grad, vmap, jvp transform plain operations only
     return _ShiftMasked.apply(x, mask)
 
-def _func_transforms_active() -> bool:
-    "Whether a `torch.func` transform (grad, vmap, jvp, ...) is running: our autograd.Function has no rule for them."
-    return torch._C._are_functorch_transforms_active()
-
 def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d_h)
                   k:Tensor, # (B, H, K, d_h) keys
                   v:Tensor, # (B, H, K, d_h) values
@@ -479,7 +479,7 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         s = 1 / math.sqrt(self.d_head)                                    # scale the small (B, H, T, d_h) queries, not the scores
         B, H, T, dh = q.shape
         K = k.shape[2]
-        in_place = self.attn_impl == 'sdpa' and q.device.type == 'cpu' and not (torch.is_grad_enabled() or dropout_p or torch.compiler.is_compiling())
+        in_place = self.attn_impl == 'sdpa' and q.device.type == 'cpu' and not (torch.is_grad_enabled() or dropout_p or torch.compiler.is_compiling() or _func_transforms_active())
         D = K + 1 if in_place else K                                      # distances D-1 .. 0: one more for `shift_masked_`
         Q = self.rel_proj(D, q.device).to(q.dtype)                        # (H, d_h, D), the same for every stream
         u, v_ = ((b * s).to(q.dtype)[:, None, :] for b in (self.u_bias, self.v_bias))   # (H, 1, d_h) in the queries' dtype (autocast)

@@ -280,7 +280,11 @@ class CompressiveTransformer(TransformerXL):
                n_m:int|None=None, # memory length kept after each window; None = self.n_m
                n_cm:int|None=None # compressed memory length kept after each window; None = self.n_cm
               ) -> tuple: # (final hidden states (B, T, d) after ln_f, new CTState, detached)
-        "The layers over input embeddings (Algorithm 1); sets `aux_loss`, `aux_losses` (and `attention_records`)."
+        "The layers over input embeddings (Algorithm 1); sets `aux_loss`, `aux_losses` (and `attention_records`). Like `TransformerXL.hidden`, it reads a copy of `x`, which the state may keep."
+        return self._hidden(x.clone(), state, first, reset, n_m, n_cm)
+
+    def _hidden(self, x:Tensor, state=None, first=None, reset=None, n_m=None, n_cm=None) -> tuple:
+        "`hidden` on inputs the model owns (`forward`'s embeddings)."
         first = self._check_inputs(x, first, reset)
         n_m = self._check_len('n_m', self.n_m if n_m is None else n_m)
         n_cm = self._check_len('n_cm', self.n_cm if n_cm is None else n_cm)

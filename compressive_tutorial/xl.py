@@ -282,12 +282,12 @@ class TransformerXL(nn.Module):
         return self._lm(tokens, targets, state=state, first=first, reset=reset, n_m=n_m)
 
     def _lm(self, tokens:Tensor, targets:Tensor|None, **kw) -> tuple:
-        "Token embedding, `self.hidden(x, **kw)`, projection to the vocabulary and loss: (logits (B, T, V), loss, state)."
+        "Token embedding, `hidden` (without its copy: the embeddings are the model's own), projection to the vocabulary and loss: (logits (B, T, V), loss, state)."
         try: e = self.emb(tokens)
         except IndexError:                                                          # (on CUDA a device-side assert instead)
             raise IndexError(f"tokens must be ids in [0, vocab_size={self.cfg.vocab_size}), got values from {int(tokens.min())} "
                              f"to {int(tokens.max())}: check the tokenizer against XLConfig.vocab_size.") from None
-        h, state = self.hidden(self.drop(e * self.emb_scale), **kw)                # (B, T, d)
+        h, state = self._hidden(self.drop(e * self.emb_scale), **kw)               # (B, T, d)
         logits = self.head(self.drop(h))                                            # (B, T, V)
         return logits, (None if targets is None else lm_loss(logits, targets)), state   # loss: mean over every target
 
@@ -298,7 +298,11 @@ class TransformerXL(nn.Module):
                reset:Tensor|None=None, # (B,) bool: an episode starts at this call's first step (instead of `first`)
                n_m:int|None=None # memory length; None = self.n_m
               ) -> tuple: # (final hidden states (B, T, d) after ln_f, new XLState)
-        "The layers over input embeddings, window by window: the model without its embedding and output projection."
+        "The layers over input embeddings, window by window: the model without its embedding and output projection. The state keeps layer 0's inputs, so it keeps them from a copy of `x`: a caller may refill `x` for its next call."
+        return self._hidden(x.clone(), state, first, reset, n_m)
+
+    def _hidden(self, x:Tensor, state=None, first=None, reset=None, n_m=None) -> tuple:
+        "`hidden` on inputs the model owns (its memory of layer 0 may be views of them)."
         first = self._check_inputs(x, first, reset)
         n_m = self._check_len('n_m', self.n_m if n_m is None else n_m)
         h, state = self._run_windows(x, first, self._check_state(state, x), n_m=n_m)
