@@ -316,14 +316,16 @@ def counted_flops(runner:Runner, cfg:BenchConfig, x:Tensor, y:Tensor) -> tuple:
     extra = {aten._scaled_dot_product_flash_attention_for_cpu: raw(sdpa_flop),
              aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(sdpa_backward_flop), aten.baddbmm_: raw(baddbmm_flop)}
     out = []
-    if runner.compiled:                                   # a compiled layer keeps no Q = W_R R between windows: count its rebuild
-        for m in runner.model.modules(): m.__dict__.pop('_rel_cache', None)
-    for train in (False, True):                           # inference first: a training step would make the K/V cache stale;
-                                                          # eager, so that the counter sees every matmul (a compiled model does the
-                                                          # same ones, and the Q rebuilt above)
-        with FlopCounterMode(display=False, custom_mapping=extra) as fc, _autocast(cfg), torch.compiler.set_stance('force_eager'), \
-             _flex_as_sdpa(runner.model):                 # the counter has no rule for FlexAttention (pytorch#134385): the same matmuls
-            runner.train_step(x, y) if train else runner.infer_step(x)
+    for train in (False, True):                           # inference first: a training step would make the kept K/V stale
+        with _autocast(cfg), torch.compiler.set_stance('force_eager'), _flex_as_sdpa(runner.model):   # eager, so that the counter
+            if not train: runner.infer_step(x)            # sees every matmul (a compiled model does the same ones); FlexAttention as
+                                                          # the matmuls it does (no counter rule: pytorch#134385). One inference window
+                                                          # uncounted: an optimiser step since the last (another runner's, counted
+                                                          # before this one) leaves the kept K/V stale; the count is of the steady state
+            if runner.compiled:                           # a compiled layer keeps no Q = W_R R between windows: count its rebuild
+                for m in runner.model.modules(): m.__dict__.pop('_rel_cache', None)
+            with FlopCounterMode(display=False, custom_mapping=extra) as fc:
+                runner.train_step(x, y) if train else runner.infer_step(x)
         out.append(fc.get_total_flops() / x.numel())
     return out[1], out[0]
 
