@@ -935,6 +935,15 @@ def evaluate_agent(agent:Agent, # a trained agent
     return float(np.mean([s for r in results for s in r[1:episodes_per_env + 1]]))
 
 # %% ../nbs/12_rl.ipynb #729c094e
+def _eval_args(delays, episodes_per_env) -> tuple:
+    "The evaluation's delays and episodes as plain ints (numpy integers from a sweep welcome): they are compared with saved results and saved as JSON."
+    ds = delays.tolist() if isinstance(delays, np.ndarray) else list(delays)
+    bad = [D for D in ds if isinstance(D, bool) or not isinstance(D, numbers.Integral)]
+    if bad: raise ValueError(f"delays must be ints (fixed delays D), got {bad}: pass e.g. delays=(1, 4) or np.arange(1, 5).")
+    if isinstance(episodes_per_env, bool) or not isinstance(episodes_per_env, numbers.Integral) or episodes_per_env < 1:
+        raise ValueError(f"episodes_per_env={episodes_per_env!r} must be an int >= 1.")
+    return [int(D) for D in ds], int(episodes_per_env)
+
 def run_one(name:str, # the configuration's name
             cfg:dict, # `asdict(RLConfig(...))` of the run
             delays=(), # fixed delays D to measure the final success at (the non-matching task)
@@ -944,6 +953,7 @@ def run_one(name:str, # the configuration's name
            ) -> dict|None: # name, cfg, delays, history, final, by_delay, fps, wall_s, hardware
     "Train one configuration, measure its final success (on the task as configured, over its whole delay range, and at each fixed delay), and save the result."
     if deadline is not None and time.time() > deadline: return None
+    delays, episodes_per_env = _eval_args(delays, episodes_per_env)
     t0, c = time.perf_counter(), RLConfig(**cfg)
     if delays:                                                                   # before the training, not after it
         with contextlib.closing(gym.make(c.env_id, **c.env_kwargs)) as env:
@@ -990,6 +1000,7 @@ def run_experiment(specs:dict, # name -> the RLConfig fields that differ from `b
                   ) -> dict: # histories, final success, success by delay, wall times, frames/s, hardware, the runs still missing
     "Train every spec with every seed, or load its saved result; keep the success curves and the final success at each delay."
     t_all, deadline = time.perf_counter(), None if budget_s is None else time.time() + budget_s
+    delays, episodes_per_env = _eval_args(delays, episodes_per_env)
     jobs, results = [], {}
     for name, over in specs.items():
         for seed in seeds:
