@@ -187,7 +187,8 @@ def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
         raise ValueError(f'{path} is clipped: {clipped:.2%} of its samples sit at full scale (the limit is max_clipped='
                          f'{max_clipped:.2%}). Use an unclipped recording, or pass max_clipped=None to accept this one.')
     wave = torch.from_numpy(x.mean(1) if channels > 1 else x[:, 0].copy())      # (N,)
-    wave = resample(wave, sr, sample_rate)                                       # (ceil(N sample_rate / sr),); as is at sample_rate
+    try: wave = resample(wave, sr, sample_rate)                                  # (ceil(N sample_rate / sr),); as is at sample_rate
+    except ValueError as e: raise ValueError(f'{path}: {e}') from None          # which of a corpus's files
     return wave.clamp_(-1, 1)   # a float file can hold samples beyond full scale, and resampling can overshoot it
 
 # %% ../nbs/11_speech.ipynb #34c91fff
@@ -589,7 +590,7 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
     t0 = time.perf_counter(); va = evaluate(model, eval_dl['valid'], max_batches=eval_chunks, precision=train_cfg.precision); _sync(dev)
     last = tests()[-1]
     res = dict(name=name, kind=kind, done=True, test_bps=last['test_bps'], test_loss=last['test_loss'], valid_bps=va['bpb'],
-               eval_samples=last['test_samples'], steps=steps, batch_size=batch_size, chunk=chunk,
+               eval_samples=last['test_samples'], valid_samples=va['tokens'], steps=steps, batch_size=batch_size, chunk=chunk,
                train_samples=steps * batch_size * chunk, wall_s=last['train_s'],
                eval_s=sum(h['eval_s'] for h in tests()) + time.perf_counter() - t0, curve=trainer.history,
                **{k: v for k, v in model_summary(kind, cfg).items() if k not in ('kind', 'name')},
@@ -606,8 +607,9 @@ def describe_speech(res:dict) -> str:
     cfg = {k: v for k, v in res['cfg'].items() if k in ('d_model', 'n_heads', 'n_layers', 'd_ff', 'n_s', 'n_m', 'n_cm', 'c',
                                                         'd_res', 'd_skip', 'd_out', 'kernel_size', 'dilation_cycle')}
     how = f"trained {res['date']}" + (', loaded from the run folder' if res.get('cached') else '')
-    return (f"{res['name']}: test {res['test_bps']:.3f}, valid {res['valid_bps']:.3f} bits/sample ({res['eval_samples']:,} samples "
-            f"each) | {res['params']:,} params | {res['steps']} steps x {res['batch_size']} streams x {res['chunk']} samples = "
+    n, nv = res['eval_samples'], res.get('valid_samples', res['eval_samples'])   # (results saved before 2026-11-28: the same)
+    on = f"{n:,} samples each" if n == nv else f"{n:,} test and {nv:,} valid samples"   # (a short split's last window can be padded)
+    return (f"{res['name']}: test {res['test_bps']:.3f}, valid {res['valid_bps']:.3f} bits/sample ({on}) | {res['params']:,} params | {res['steps']} steps x {res['batch_size']} streams x {res['chunk']} samples = "
             f"{res['train_samples']:,} training samples in {res['wall_s']:.0f} s (+{res['eval_s']:.0f} s eval), {how} | "
             f"{res['hardware']} | {cfg}, lr {res['train_cfg']['lr_max']:g}, seed {res['seed']}")
 

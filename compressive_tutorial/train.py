@@ -331,6 +331,9 @@ class Trainer:
         self.model, self.train_loader, self.valid_loader = model, train_loader, valid_loader
         self.cfg = TrainConfig() if cfg is None else cfg
         if not isinstance(self.cfg, TrainConfig): raise TypeError(f"cfg must be a TrainConfig, got {type(self.cfg).__name__}")
+        if self.cfg.eval_every and valid_loader is None:
+            raise ValueError(f"TrainConfig.eval_every={self.cfg.eval_every} asks for validation, but the Trainer got no valid_loader: "
+                             "pass valid_loader=..., or set eval_every=0")
         self.ckpt_dir = None if ckpt_dir is None else Path(ckpt_dir)
         self.device = next(model.parameters()).device
         self.precision = choose_precision(self.device, self.cfg.precision)    # 'bf16', 'fp16' or 'fp32'
@@ -414,7 +417,7 @@ class Trainer:
             lr = lr_at(self.step, cfg)
             groups = [(self.opt, self.params, lr, self.scaler)] + (
                 [(self.copt, self.comp_params, lr * cfg.compression_lr_scale, self.fc_scaler)] if self.copt is not None else [])
-            norms = [self._clip(opt, params, s) for opt, params, _, s in groups]   # every group checked before any steps (rule 3)
+            norms = [self._clip(opt, params, s, l) for (opt, params, _, s), l in zip(groups, (('loss', loss), ('compression loss', aux)))]   # every group checked before any steps (rule 3)
             for (opt, _, lr_g, s), norm in zip(groups, norms):
                 if norm is not None: self._step(opt, lr_g, s)                # None: no gradient yet (f_c before its first compression)
             grad_norm = 0.0 if norms[0] is None else norms[0]
@@ -462,15 +465,18 @@ class Trainer:
             if i == len(a['layers']): a['layers'].append(0.0); a['n_layers'].append(0)
             if v is not None: a['layers'][i] += v; a['n_layers'][i] += 1
 
-    def _clip(self, opt, params, scaler) -> float|None:
-        "Unscale (fp16: with the group's `scaler`) and clip the group's total gradient norm; return it before clipping (None: no gradient); raise if the run diverged."
+    def _clip(self, opt, params, scaler, loss:tuple=(None, None)) -> float|None:
+        "Unscale (fp16: with the group's `scaler`) and clip the group's total gradient norm; return it before clipping (None: no gradient); raise if the run diverged, naming the group's loss (`(name, value)`) when it is what went non-finite."
         if all(p.grad is None for p in params): return None
         if scaler is not None: scaler.unscale_(opt)                          # fp16: true gradients (and note any inf/NaN)
         clip = math.inf if self.cfg.clip_norm is None else self.cfg.clip_norm  # inf: measure the norm, change nothing
         norm = float(nn.utils.clip_grad_norm_(params, clip))
         if not math.isfinite(norm):                                          # before any step: the weights stay finite
             if scaler is None or scaler.get_scale() <= 1:                    # not a scaled overflow: the run diverged
-                raise self._diverged(f'the gradient norm is {norm}' + (' even without loss scaling' if scaler else ''), self.step, self.n_updates)
+                name, value = loss
+                bad = isinstance(value, Tensor) and not bool(torch.isfinite(value.detach()).all())   # (a wait only on this way out)
+                what = f'the {name} is {float(value.detach())}' if bad else f'the gradient norm is {norm}'   # (as `fit` names a loss)
+                raise self._diverged(what + (' even without loss scaling' if scaler else ''), self.step, self.n_updates)
         return norm                                                          # (an fp16 overflow: the scaler skips this group's step)
 
     def _step(self, opt, lr:float, scaler):
@@ -564,18 +570,19 @@ class Trainer:
         self._saved_at = self._clock()
         self._mark = time.perf_counter()                                    # train_s and the row's seconds count from here (_tick)
         stopping = None                                                     # the signal all ranks agreed on (never stop.signum itself)
+        if self._validation_due(): self._validate()                         # owed by a run stopped in the window that ended here
         try:
             while self.step < steps and stopping is None:
                 updates, state = self.n_updates, self.state                  # behind the weights and memories this window uses
                 batch = self._next_batch()
                 out = self.train_step(batch)
-                for k in ('loss', 'aux'):                                    # rule 3 (the gradients: in _clip)
+                for k, what in (('loss', 'loss'), ('aux', 'compression loss')):   # rule 3 (the gradients: in _clip)
                     if out[k] is None or math.isfinite(out[k]): continue
                     if self.precision == 'fp16' and self._finite_in_fp32(batch, state):   # fp16's range, not the run, failed
-                        raise self._diverged(f"the {k} is {out[k]} under fp16 autocast but finite in fp32: an activation exceeds "
+                        raise self._diverged(f"the {what} is {out[k]} under fp16 autocast but finite in fp32: an activation exceeds "
                                              "fp16's range (65,504), which loss scaling cannot help", self.step - 1, updates, rollback=False,
                                              fix="Resume in fp32 (TrainConfig.precision='fp32'; `ct train --resume --precision fp32`)")
-                    raise self._diverged(f"the {k} is {out[k]}", self.step - 1, updates)
+                    raise self._diverged(f"the {what} is {out[k]}", self.step - 1, updates)
                 self._accumulate(out)
                 due = self.ckpt_dir is not None and self._checkpoint_due()
                 stopping, due = self._agree(stop.signum, due)                # a signal arriving from here on waits for the next agreement
@@ -591,9 +598,7 @@ class Trainer:
                     post = dict(loss=f"{row['loss']:.3f}", bpb=f"{row['bpb']:.3f}", tok_s=f"{row['tok_s']:,.0f}")
                     if 'aux' in row: post['aux'] = f"{row['aux']:.4f}"
                     bar.set_postfix(**post, refresh=False)
-                if cfg.eval_every and self.valid_loader is not None and self.step % cfg.eval_every == 0 and stopping is None:
-                    ev = self.evaluate(max_batches=cfg.eval_batches)
-                    self.history.append(dict(step=self.step, **{f'valid_{k}': v for k, v in ev.items()}))
+                if stopping is None and self._validation_due(): self._validate()   # a stop does not wait for it: the resumed run does it
                 if due and stopping is None: self._tick(); self.save()        # rule 1
                 bar.update(1)
         finally: bar.close()
@@ -603,6 +608,17 @@ class Trainer:
         if stopping is None: stopping = self._agree(stop.signum, False)[0]  # and one during that save: it is written, stop now
         if stopping is not None:
             raise TrainingInterrupted(stopping, self.step, None if self.ckpt_dir is None else self.checkpoint[0])
+
+    def _validation_due(self) -> bool:
+        "Whether this step's validation (every `eval_every` iterations) is due and not yet in the history."
+        e = self.cfg.eval_every
+        return bool(e and self.valid_loader is not None and self.step and self.step % e == 0
+                    and not any(r.get('step') == self.step and 'valid_loss' in r for r in self.history[-2:]))   # (after its log row, if any)
+
+    def _validate(self):
+        "Evaluate on `eval_batches` windows of the valid loader; append the `valid_*` row of this step."
+        ev = self.evaluate(max_batches=self.cfg.eval_batches)
+        self.history.append(dict(step=self.step, **{f'valid_{k}': v for k, v in ev.items()}))
 
     def _tick(self):
         "Add the seconds since the last tick to `train_s` and to the current history row: a checkpoint holds the training time up to itself, whatever the sessions."
