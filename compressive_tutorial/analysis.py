@@ -463,14 +463,17 @@ def eval_across_memory_sizes(model:CompressiveTransformer, # a trained Compressi
     n_m, c = model.n_m if n_m is None else n_m, model.cfg.c
     if not n_cm_values: raise ValueError("eval_across_memory_sizes got no sizes: pass n_cm_values, e.g. [0, 64, 128]")
     if iter(loader) is loader: raise TypeError("eval_across_memory_sizes reads the loader once per size: pass a loader or a list, not an iterator")
-    if skip is None: skip = warmup_windows(getattr(loader, 'n_s', model.cfg.n_s), n_m, max(n_cm_values), c)
+    chosen = skip is not None
+    if not chosen:                                                        # the model's windows until the largest size is full,
+        L = getattr(loader, 'n_s', None) or next(iter(loader)).x.shape[1]   # in the loader's windows (of L steps each)
+        skip = -(-warmup_windows(model.cfg.n_s, n_m, max(n_cm_values), c) * model.cfg.n_s // L)
     if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0: raise ValueError(f"skip={skip!r} must be an int >= 0 (windows read but not scored)")
     n = [k for k in (max_batches, len(loader) if hasattr(loader, '__len__') else None) if k is not None]
     read = min(n) if n else None                                          # windows each evaluation reads, where known
     if read is not None and skip >= read:
-        raise ValueError(f"eval_across_memory_sizes: the first {skip} windows are not scored (the memories of n_cm = "
-                         f"{max(n_cm_values)} fill in them), and only {read} are read: read more (max_batches, a longer "
-                         f"loader) or pass a smaller skip (skip=0 scores every window).")
+        why = '(skip)' if chosen else f'(the memories of n_cm = {max(n_cm_values)} fill in them)'
+        raise ValueError(f"eval_across_memory_sizes: the first {skip} windows are not scored {why}, and only {read} are read: "
+                         f"read more (max_batches, a longer loader) or pass a smaller skip (skip=0 scores every window).")
     rows = []
     for n_cm in n_cm_values:
         ev = evaluate(model, _unscored(loader, skip), mem_len=n_m, max_batches=max_batches, n_cm=n_cm)

@@ -157,7 +157,7 @@ class CompressionLoss(str, Enum):
     "How the compression network is trained (paper §3.2 and Table 5)."
     ATTENTION = 'attention'   # Algorithm 2: attention-reconstruction loss (the paper's best)
     AUTOENCODE = 'autoencode' # reconstruct the evicted memories with a learned decoder g
-    BPTT = 'bptt'             # no auxiliary loss: the task loss reaches f_c through one extra window
+    BPTT = 'bptt'             # no auxiliary loss: the task loss of the call's later windows reaches f_c
     NONE = 'none'             # no training signal (pooling and most-used have no parameters)
 
     @classmethod
@@ -171,7 +171,7 @@ class CompressionLoss(str, Enum):
 
     @property
     def keeps_graph(self)->bool:
-        "Whether new compressed memories stay attached to the graph for one extra window."
+        "Whether new compressed memories stay attached to the graph until the end of the call (the trainer's calls: two windows)."
         return self is CompressionLoss.BPTT
 
 # %% ../nbs/04_compression_losses.ipynb #9329baff
@@ -195,7 +195,7 @@ def compression_loss(loss:str|CompressionLoss, # 'attention', 'autoencode', 'bpt
 def compressed_for_memory(new_cm:Tensor, # (B, n_s/c, d) f_c(old), with its graph
                           loss:str|CompressionLoss, # the training signal in use
                          )->Tensor: # (B, n_s/c, d) what to append to the compressed memory
-    "What goes into the compressed memory: `new_cm` with its graph for 'bptt' (one extra window), detached otherwise."
+    "What goes into the compressed memory: `new_cm` with its graph for 'bptt' (until the end of the call), detached otherwise."
     return new_cm if CompressionLoss(loss).keeps_graph else new_cm.detach()
 
 def compress_evicted(f_c:Compressor, # the layer's compression function

@@ -225,9 +225,12 @@ class RecallConfig:
     seed:int = 0                      # seeds the weights (same for both models) and the training streams (same data for both)
 
     def __post_init__(self):
-        if isinstance(self.task, dict): self.task = RecallTask(**self.task)     # e.g. from asdict(cfg)
+        if isinstance(self.task, dict): self.task = RecallTask(**self.task)     # a RecallTask's fields (asdict keeps no subclass: pass an OrderRecallTask itself)
         self.task.check_layout(self.n_s, self.ct_n_m, self.c)
         self.distances = tuple(self.distances)
+        if self.n_cm and self.ct_n_m % self.c:                              # notebook 05's held_memory: whole blocks of c are evicted
+            raise ValueError(f"ct_n_m={self.ct_n_m} is not a multiple of c={self.c}: the Compressive Transformer would hold "
+                             f"{-(-self.ct_n_m // self.c) * self.c} memories and read more keys than Transformer-XL; use a multiple of c.")
         if self.txl_n_m != self.ct_n_m + self.n_cm:
             raise ValueError(f"unequal attention cost: Transformer-XL reads n_s + txl_n_m = {self.n_s + self.txl_n_m} keys per query, "
                              f"the Compressive Transformer n_s + ct_n_m + n_cm = {self.n_s + self.ct_n_m + self.n_cm}: "
