@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['PRESETS', 'SCHEDULE', 'RUN_FORMAT', 'CKPT_NAME', 'QUICK_DEMO', 'DEMO_PLOT', 'BENCH_PRESETS', 'paper_schedule',
            'Preset', 'RunConfig', 'n_params', 'train_flops', 'ConfigError', 'parse_value', 'valid_fields',
-           'stretch_schedule', 'build_configs', 'memory_estimate', 'device_memory', 'check_fits', 'corpus_spec',
-           'corpus_name', 'split_bytes', 'load_corpus', 'Run', 'run_from_args', 'train_run', 'resume_command',
-           'train_command', 'eval_command', 'sample_command', 'demo_config', 'plot_path', 'demo_command',
-           'bench_config', 'bench_command', 'make_parser', 'main']
+           'stretch_schedule', 'resumed_schedule', 'build_configs', 'memory_estimate', 'device_memory', 'check_fits',
+           'corpus_spec', 'corpus_name', 'split_bytes', 'load_corpus', 'Run', 'run_from_args', 'train_run',
+           'resume_command', 'train_command', 'eval_command', 'sample_command', 'demo_config', 'plot_path',
+           'demo_command', 'bench_config', 'bench_command', 'make_parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #3414c501
 import argparse, contextlib, dataclasses, json, math, os, re, shlex, signal, sys, tempfile, time, types, typing, warnings
@@ -27,7 +27,7 @@ from .train import (
     PRECISIONS, choose_precision, bf16_native)
 from .train import compile_layers
 from .checkpoint import (
-    TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, load_weights, folder_lock)
+    TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, load_weights, folder_lock, write_atomic)
 from .bench import BENCH_CPU, BENCH_GPU, BenchConfig, RUNNERS, run_benchmark, report
 from .experiments import _data_key
 from .synthetic import RecallConfig, recall_models, run_demo
@@ -174,6 +174,17 @@ def stretch_schedule(train:dict, # TrainConfig fields
     "A schedule made for `old` iterations stretched to `new`: warmup, decay and the §5.5.1 switch scale by new/old."
     return {**train, **{k: max(int(k == 'decay_steps'), round(train[k] * new / old)) for k in SCHEDULE if k in train and k not in fixed}}
 
+def resumed_schedule(old:TrainConfig, # the schedule the run has followed so far
+                     fresh:TrainConfig, # the one a new run of the new length gets (the preset's, stretched once)
+                     step:int, # where the run resumes
+                     fixed=() # fields set explicitly (--set), which keep their values
+                    ) -> TrainConfig:
+    "The schedule a run goes on with when `--resume --steps` changes its length: `fresh`'s, but the §5.5.1 switch stays where moving it would split an update group (the one the run stopped in, or the one the moved switch would put it in)."
+    inside = lambda t: step > t.update_every_after and (step - t.update_every_after) % t.update_every   # step inside a group of t
+    moved = dataclasses.replace(old, **{f: getattr(fresh, f) for f in SCHEDULE if f not in fixed})    # (with the run's update_every)
+    keep = {*fixed, *(['update_every_after'] if inside(old) or inside(moved) else [])}
+    return dataclasses.replace(old, **{f: getattr(fresh, f) for f in SCHEDULE if f not in keep})
+
 def build_configs(kind:str='ct', # 'txl' or 'ct'
                   preset:str='cpu-tiny', # a key of PRESETS
                   sets:list=(), # ['field=value', ...] from --set: any field of the model config, TrainConfig or RunConfig
@@ -309,9 +320,7 @@ class Run:
         self.path.mkdir(parents=True, exist_ok=True)
         js = dict(format=RUN_FORMAT, kind=self.kind, preset=self.preset, corpus=self.corpus,
                   model=asdict(self.model), train=asdict(self.train), run=asdict(self.run), fixed=list(self.fixed), data=self.data)
-        tmp = self.path/'.config.json.tmp'
-        tmp.write_text(json.dumps(js, indent=1) + '\n'); tmp.replace(self.path/'config.json')
-        return self.path/'config.json'
+        return write_atomic(self.path/'config.json', json.dumps(js, indent=1) + '\n')
 
     @classmethod
     def load(cls, path) -> 'Run':
@@ -343,6 +352,9 @@ class Run:
 
     def load_model(self, device='cpu') -> tuple: # (model in eval mode, the training step of its weights)
         "The model rebuilt from the config, with the checkpoint's weights (refused if it was written for another model)."
+        if not self.checkpoint.is_file():
+            raise ConfigError(f"{_q(self.path)} has no checkpoint ({CKPT_NAME}) yet: its training stopped before the first one was "
+                              f"written; train it (ct train --out {_q(self.path)} ..., or --resume once it has one)")
         model = build_model(self.kind, self.model)
         meta = load_weights(self.checkpoint, model)
         return model.to(device).eval(), meta['step']
@@ -429,10 +441,7 @@ def run_from_args(args) -> Run:
                                   f"or drop --steps to finish its {run.run.steps:,}")
             fresh = build_configs(run.kind, run.preset, steps=args.steps)[1]   # the schedule a new run of --steps gets (the preset's,
             old = run.train                                                       # stretched once: no rounding piles up over resumes)
-            inside = lambda t: step > t.update_every_after and (step - t.update_every_after) % t.update_every   # step inside a §5.5.1 group
-            keep = {*run.fixed, *(['update_every_after'] if inside(old) or inside(fresh) else [])}   # the switch stays where moving it would
-            run.train = dataclasses.replace(old, **{f: getattr(fresh, f) for f in SCHEDULE if f not in keep})   # split a group: the pending
-                                                                  # gradients' (stopped in one), or the new one's (its first windows done)
+            run.train = resumed_schedule(old, fresh, step, run.fixed)
             moved = ', '.join(f"{k} {getattr(old, k):,} -> {getattr(run.train, k):,}" for k in SCHEDULE if getattr(old, k) != getattr(run.train, k))
             _say(f"ct train: --steps {args.steps:,} stretches the schedule made for {run.run.steps:,} steps ({moved or 'nothing moves'}); "
                  f"the learning rate at step {step:,} goes from {lr_at(step, old):.3g} to {lr_at(step, run.train):.3g}")
@@ -500,7 +509,7 @@ def train_run(run:Run, # the run: its folder and configs (`run_from_args`)
     span = [train_rows[-1]['step'] - run.train.log_every + 1, train_rows[-1]['step']] if train_rows else None   # the last row's iterations
     results = json.dumps(dict(step=trainer.step, valid=valid, valid_batches=R.valid_batches, wall_s=wall,
                               train_bpb=train_rows[-1]['bpb'] if train_rows else None, train_bpb_steps=span), indent=1, allow_nan=False)
-    if trainer.rank == 0: tmp = out/'.results.json.tmp'; tmp.write_text(results + '\n'); tmp.replace(out/'results.json')
+    if trainer.rank == 0: write_atomic(out/'results.json', results + '\n')
     if train_rows: _say(f"  train bits per byte {train_rows[-1]['bpb']:.4f} (steps {span[0]:,}-{span[1]:,} of {trainer.step:,})")
     part = _windows_read(R.valid_batches, valid_dl)
     if part != 'the whole split': part += f"; the whole split: ct eval {_q(out)}" + (f" --cache {_q(cache)}" if cache else '')
@@ -514,7 +523,8 @@ def resume_command(run:Run, cache=None) -> str:
 
 def _asked_device(args) -> str|None:
     "The device a `ct train` call's run will use, known before any process group exists: --device, --set device=, a resumed run's own; None: auto."
-    if args.resume:
+    if args.resume and args.device: name = args.device                  # with --resume, the device to go on with
+    elif args.resume:
         try: name = Run.load(Path(args.out)).run.device
         except Exception: return None                                  # run_from_args says what is wrong with the folder
     else:
@@ -717,6 +727,7 @@ def _float_in(lo:float, hi:float, lo_open:bool=False):
     def conv(s:str) -> float:
         try: v = float(s)
         except ValueError: raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+        if math.isinf(v): raise argparse.ArgumentTypeError(f"must be a finite number, got {v}")
         if not ((lo < v) if lo_open else (lo <= v)) or v > hi:
             raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
         return v

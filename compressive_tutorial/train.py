@@ -431,7 +431,8 @@ class Trainer:
         wide = torch.float32 if loss.device.type == 'mps' else torch.float64   # (values may be floats, or tensors of one element)
         got = iter(torch.stack([torch.as_tensor(v, device=loss.device).detach().reshape(()).to(wide) for v in vals if v is not None]).tolist())
         host = [None if v is None else next(got) for v in vals]
-        out = dict(loss=host[0], aux=host[1], aux_layers=None if layers is None else host[2:],
+        streams = getattr(model, 'aux_rows', None)                               # what the aux loss averaged over (None: say 1)
+        out = dict(loss=host[0], aux=host[1], aux_layers=None if layers is None else host[2:], aux_streams=1 if streams is None else streams,
                    tokens=n, grad_norm=grad_norm, skipped=int(skipped))
         return self._reduce(out) if self.world > 1 else out
 
@@ -448,10 +449,10 @@ class Trainer:
         return self.world * n / total if total else 0.0
 
     def _reduce(self, out:dict) -> dict:
-        "DDP: the step's loss, tokens and auxiliary losses of the whole batch, the same on every rank."
-        layers = out['aux_layers'] or []
-        vals = [out['loss'] * out['tokens'], out['tokens'], out['aux'] or 0., out['aux'] is not None]
-        for a in layers: vals += [a or 0., a is not None]
+        "DDP: the step's loss, tokens and auxiliary losses of the whole batch, the same on every rank: the losses averaged over tokens, the auxiliary ones over the streams each rank's averaged (as one process would)."
+        layers, w = out['aux_layers'] or [], out.get('aux_streams', 1)
+        vals = [out['loss'] * out['tokens'], out['tokens'], (out['aux'] or 0.) * w, w if out['aux'] is not None else 0]
+        for a in layers: vals += [(a or 0.) * w, w if a is not None else 0]
         s = all_sum(vals, self.device)
         return dict(out, loss=s[0] / max(s[1], 1), tokens=int(s[1]), aux=s[2] / s[3] if s[3] else None,
                     aux_layers=[s[4 + 2 * j] / s[5 + 2 * j] if s[5 + 2 * j] else None for j in range(len(layers))] if out['aux_layers'] is not None else None)
@@ -796,15 +797,18 @@ def sample_next(logits:Tensor, # (B, V) next-token logits
                 generator:torch.Generator|None=None # a seeded generator; on another device than the logits (a CPU one for a CUDA model) the draw happens on its device
                ) -> Tensor: # (B,) token ids
     "Draw one token per row: temperature, then top-k, then nucleus."
-    if temperature < 0: raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
+    if not temperature >= 0 or math.isinf(temperature): raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0 means greedy)")
     if temperature == 0: return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k is not None: logits = top_k_filter(logits, top_k)
     if top_p is not None: logits = top_p_filter(logits, top_p)
     probs = logits.softmax(-1)                                                  # (B, V)
-    if generator is not None and generator.device != probs.device:              # where the generator is: one copy a token
-        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)         # (B,)
+    at = probs if generator is None or generator.device == probs.device else probs.to(generator.device)   # where the generator is
+    try: return torch.multinomial(at, 1, generator=generator).squeeze(-1).to(probs.device)   # (B,)
+    except RuntimeError:
+        if bool(torch.isfinite(probs).all()): raise
+        raise ValueError(f"temperature={temperature:g} is too small for these logits: divided by it they overflow float32, "
+                         "so the probabilities are not finite; use a larger temperature, or 0 for greedy") from None
 
 # %% ../nbs/06_training.ipynb #4d3f0719
 def _model_window(model) -> int:

@@ -60,6 +60,16 @@ def test_resume_on_one_rank_continues_the_run(runs):
     print('1 rank straight vs 2 ranks straight:', max((one[0][k] - a[0][k]).abs().max().item() for k in worst))
 
 
+def test_ddp_metrics_equal_one_process(runs):
+    "The logged losses of 2 ranks are those of one process on the global batch: the task loss averaged over tokens, the auxiliary\n    loss over the streams it averaged on each rank (here unequal: rank 1's streams hold document starts)."
+    a, one = load_checkpoint(runs/'A'/'last.safetensors')[1]['history'], load_checkpoint(runs/'A1'/'last.safetensors')[1]['history']
+    rows = [(r, s) for r, s in zip(a, one) if 'aux' in r]
+    assert len(a) == len(one) and rows and [r['step'] for r in a] == [s['step'] for s in one]
+    for r, s in rows:
+        for k in ('loss', 'aux'): assert abs(r[k] - s[k]) <= 1e-5 * abs(s[k]), (r['step'], k, r[k], s[k])
+        for x, y in zip(r['aux_layers'], s['aux_layers']): assert abs(x - y) <= 1e-5 * abs(y), (r['step'], r['aux_layers'], s['aux_layers'])
+
+
 def test_signal_on_one_rank_stops_every_rank(tmp_path):
     "SIGTERM on rank 0 just after a step's stop agreement (after its all-reduce, or in the evaluation after it): not lost, not split."
     launch('signals', tmp_path, 2, timeout=300)      # before the fix: the first one was lost, the second one hung rank 1
