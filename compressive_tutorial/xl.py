@@ -44,8 +44,9 @@ class XLConfig:
         fit = m * math.ceil(self.d_model / m)                             # the nearest d_model above that satisfies both
         if self.d_model % self.n_heads:
             divs = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 16]
+            heads = f" or n_heads to a divisor of d_model (e.g. {divs[-3:]})" if self.d_model % 2 == 0 else ''   # (an odd d_model fits no R)
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: set d_model to an even multiple "
-                             f"of n_heads (e.g. {fit}) or n_heads to a divisor of d_model (e.g. {divs[-3:]}).")
+                             f"of n_heads (e.g. {fit}){heads}.")
         if self.d_model % 2: raise ValueError(f"d_model={self.d_model} must be even (the sinusoidal R has sin/cos pairs): use {fit}.")
         if self.clamp_len is not None and (not isinstance(self.clamp_len, int) or self.clamp_len < 0):
             raise ValueError(f"clamp_len={self.clamp_len!r} must be None or an int >= 0.")
