@@ -365,8 +365,8 @@ class Trainer:
 
     @staticmethod
     def _new_acc() -> dict:
-        "Sums of one history row: nats, tokens, seconds in `fit`; aux loss and per-layer aux losses with their counts; fp16 skipped updates."
-        return dict(nats=0.0, tokens=0, seconds=0.0, aux=0.0, n_aux=0, layers=[], n_layers=[], skipped=0)
+        "Sums of one history row: nats, tokens (targets scored), tokens read, seconds in `fit`; aux loss and per-layer aux losses with their counts; fp16 skipped updates."
+        return dict(nats=0.0, tokens=0, read=0, seconds=0.0, aux=0.0, n_aux=0, layers=[], n_layers=[], skipped=0)
 
     def _next_batch(self):
         "The next window of the training stream; a new pass starts at window 0 when the loader is exhausted."
@@ -386,7 +386,7 @@ class Trainer:
     def train_step(self, batch) -> dict:
         "One window: forward, backward of each loss into its own parameters, and an update when §5.5.1 says so."
         cfg, model = self.cfg, self.model
-        n_all = int((batch.y != -100).sum())                                     # targets of the whole batch, all ranks
+        n_all, read = int((batch.y != -100).sum()), batch.x.numel()             # targets and tokens of the whole batch, all ranks
         batch = shard_batch(batch, self.rank, self.world)                        # DDP: this rank's block of streams
         n = int((batch.y != -100).sum())                                         # its targets, counted before the copy to the device
         x, y, reset = self._to_device(batch)                                     # (B/world, T), (B/world, T), (B/world,)
@@ -433,7 +433,7 @@ class Trainer:
         host = [None if v is None else next(got) for v in vals]
         streams = getattr(model, 'aux_rows', None)                               # what the aux loss averaged over (None: say 1)
         out = dict(loss=host[0], aux=host[1], aux_layers=None if layers is None else host[2:], aux_streams=1 if streams is None else streams,
-                   tokens=n, grad_norm=grad_norm, skipped=int(skipped))
+                   tokens=n, read=read, grad_norm=grad_norm, skipped=int(skipped))
         return self._reduce(out) if self.world > 1 else out
 
     def _to_device(self, batch) -> tuple:
@@ -461,6 +461,7 @@ class Trainer:
         "Add one `train_step` result to the sums of the current history row."
         a = self._acc
         a['nats'] += out['loss'] * out['tokens']; a['tokens'] += out['tokens']; a['skipped'] += out.get('skipped', 0)
+        a['read'] += out.get('read', out['tokens'])
         if out['aux'] is not None: a['aux'] += out['aux']; a['n_aux'] += 1
         for i, v in enumerate(out.get('aux_layers') or []):
             if i == len(a['layers']): a['layers'].append(0.0); a['n_layers'].append(0)
@@ -589,7 +590,7 @@ class Trainer:
                 stopping, due = self._agree(stop.signum, due)                # a signal arriving from here on waits for the next agreement
                 if self.step % cfg.log_every == 0:
                     self._tick(); a = self._acc                              # the row's seconds, over every `fit` call it spans
-                    row = dict(step=self.step, loss=a['nats'] / max(a['tokens'], 1), lr=lr_at(self.step - 1, cfg), tok_s=a['tokens'] / a['seconds'])
+                    row = dict(step=self.step, loss=a['nats'] / max(a['tokens'], 1), lr=lr_at(self.step - 1, cfg), tok_s=a['read'] / a['seconds'])
                     row['bpb'] = bits_per_byte(row['loss'])
                     if a['n_aux']: row['aux'] = a['aux'] / a['n_aux']                       # mean over iterations that had one
                     if any(a['n_layers']): row['aux_layers'] = [t / n if n else None for t, n in zip(a['layers'], a['n_layers'])]
@@ -712,7 +713,7 @@ class Trainer:
             template = self.model.init_state(B // self.world, device=self.device)
             self.state = unflatten_tree(meta['skeleton']['state'], rows, template, device=self.device)
         self.step, self.n_updates, self.epoch, self.window = meta['step'], meta['n_updates'], meta['epoch'], meta['window']
-        acc = meta['acc']
+        acc = meta['acc']; acc.setdefault('read', acc['tokens'])               # (a row begun before tokens read were counted)
         self.history, self._acc, self._stream = meta['history'], acc, None
         self._batch_size = None if B is None else B // self.world
         self.n_skipped, self.train_s = meta.get('n_skipped', 0), meta.get('train_s', 0.0)
