@@ -20,6 +20,9 @@ outputs (which come from the runs their text describes). See .ci/GPU.md for the 
 import argparse, ast, json, os, re, sys, time
 from pathlib import Path
 
+RAN = 'ct_gpu_ran'   # cell metadata `run` sets on each cell it executed: `merge` takes outputs only from those (the others hold
+                     # the outputs the notebook was committed with)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -107,7 +110,7 @@ def run(nb_path:Path, out:Path, flags:set, cells:list|None=None) -> int:
         t, shown = time.time(), c.source
         c.outputs, c.source = [], _runnable(shown)              # a cell that now prints nothing keeps no stale outputs
         try: sh.cell(c)
-        finally: c.source = shown
+        finally: c.source = shown; c.metadata[RAN] = True
         err = [o for o in c.get('outputs', []) if o.get('output_type') == 'error']
         tag = ' [' + ','.join(sorted(flags & directives(c.source).keys())) + ']' if flagged(c, flags) else ''
         print(f'cell {i}{tag}: {time.time() - t:.1f} s' + (' ERROR' if err else ''), flush=True)
@@ -121,16 +124,17 @@ def run(nb_path:Path, out:Path, flags:set, cells:list|None=None) -> int:
 
 
 def merge(returned:Path, target:Path, flags:set) -> int:
-    "Copy the flagged cells' outputs from `returned` into `target` (matched by cell id); 0 if every flagged cell had some."
+    "Copy the outputs of the flagged cells that ran in `returned` into `target` (matched by cell id); 0 unless one ended in an error."
     got, nb = json.loads(Path(returned).read_text()), json.loads(Path(target).read_text())
     by_id = {c.get('id'): c for c in got['cells']}
-    n, empty, failed = 0, [], []
+    n, empty, failed, idle = 0, [], [], []
     for c in nb['cells']:
         if not flagged(c, flags): continue
         r = by_id.get(c.get('id'))
         if r is None or src(r) != src(c):
             raise SystemExit(f"{target}: cell {c.get('id')} {'is not in' if r is None else 'changed since'} {returned}: "
                              f"run it again on the GPU machine.")
+        if not r.get('metadata', {}).get(RAN): idle.append(c.get('id')); continue   # not run there: what it holds is the old outputs
         outs = r.get('outputs', [])
         if any(o.get('output_type') == 'error' for o in outs): failed.append(c.get('id')); continue   # keep the old outputs
         c['outputs'], c['execution_count'] = outs, r.get('execution_count')
@@ -138,9 +142,10 @@ def merge(returned:Path, target:Path, flags:set) -> int:
         if not outs: empty.append(c.get('id'))
     Path(target).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + '\n')
     print(f'{target}: outputs of {n} flagged cell(s) copied from {returned}' +
-          (f'; no outputs in {empty} (not run, or they print nothing)' if empty else '') +
+          (f'; {empty} ran and printed nothing' if empty else '') +
+          (f'; not run there, kept as they were: {idle}' if idle else '') +
           (f'; NOT copied, they ended in an error: {failed}' if failed else ''))
-    return 1 if empty or failed else 0
+    return 1 if failed else 0
 
 
 def main(argv=None) -> int:

@@ -64,8 +64,22 @@ def test_error_stops_and_keeps_what_ran(tmp_path, monkeypatch):
     assert gc.main(['run', str(nb), '--out', str(out)]) == 1
     errors = [o for o in json.loads(out.read_text())['cells'][1]['outputs'] if o['output_type'] == 'error']
     assert outputs(out)[0] == 'first\n' and errors[0]['ename'] == 'ValueError' and outputs(out)[2] == ''
-    assert gc.main(['merge', str(out), str(nb)]) == 1            # an error, and a flagged cell with no outputs, are reported
+    assert gc.main(['merge', str(out), str(nb)]) == 1            # an error is reported
     assert outputs(nb) == ['first\n', '', '']                    # the cell that failed keeps its old (here: no) outputs
+
+
+def test_merge_takes_only_cells_that_ran(tmp_path, monkeypatch):
+    "Two commands running different gpu cells of one notebook: each returned copy still holds the committed outputs of the cells it did not run, and merging both in turn keeps both new results."
+    monkeypatch.chdir(tmp_path)
+    nb = notebook(tmp_path / 'm.ipynb', '#| gpu\nprint("A new")', '#| gpu\nprint("B new")')
+    committed = json.loads(nb.read_text())
+    for c, old in zip(committed['cells'], ('A old\n', 'B old\n')): c['outputs'] = [{'output_type': 'stream', 'name': 'stdout', 'text': old}]
+    nb.write_text(json.dumps(committed))
+    for cell in ('c0', 'c1'): assert gc.main(['run', str(nb), '--out', str(tmp_path / f'{cell}.ipynb'), '--cells', cell]) == 0
+    assert outputs(tmp_path / 'c0.ipynb') == ['A new\n', 'B old\n']   # the other cell's old outputs travel back too
+    for cell in ('c0', 'c1'): assert gc.main(['merge', str(tmp_path / f'{cell}.ipynb'), str(nb)]) == 0
+    assert outputs(nb) == ['A new\n', 'B new\n']
+    assert all(gc.RAN not in c['metadata'] for c in json.loads(nb.read_text())['cells'])   # the mark stays out of the repository
 
 
 def test_session_brings_back_a_notebooks_saved_results(tmp_path):
@@ -109,9 +123,11 @@ def test_gpu_steps_sizes_the_runs_from_the_benchmark(tmp_path):
     gs = importlib.util.module_from_spec(spec); spec.loader.exec_module(gs)
     table = ('implementation      train tok/s   x lucidrains\n'
              'ours-ct                 193,196          1.77x\nours-ct-compiled        203,980          1.94x\n')
-    nb = {'cells': [{'cell_type': 'code', 'id': 'b1500032', 'source': '', 'metadata': {},
+    nb = {'cells': [{'cell_type': 'code', 'id': 'b1500032', 'source': '', 'metadata': {'ct_gpu_ran': True},
                      'outputs': [{'output_type': 'stream', 'name': 'stdout', 'text': table}]}]}
     (tmp_path / 'nb.ipynb').write_text(json.dumps(nb))
+    nb['cells'][0]['metadata'] = {}; (tmp_path / 'old.ipynb').write_text(json.dumps(nb))
+    assert gs.steps(str(tmp_path / 'old.ipynb'), 511) == 1000       # the committed result of another machine: not this one's
     step_s = 16 * 512 / 193_196                                      # 42.4 ms; 1.8 x that per trained step, 90 s kept back
     assert gs.steps(str(tmp_path / 'nb.ipynb'), 511) == int((511 - 90) / 2 / (1.8 * step_s)) // 100 * 100 == 2700
     assert gs.steps(str(tmp_path / 'nb.ipynb'), 10_000) == 5000     # never more than the notebook's default
