@@ -496,7 +496,9 @@ def train_run(run:Run, # the run: its folder and configs (`run_from_args`)
     _say(f"  data: train {len(corpora['train']):,} bytes, valid {len(corpora['valid']):,} bytes; {R.batch_size // u} streams x "
          f"{run.model.n_s * u} bytes per step{' (BPTT: 2 windows per call)' if u > 1 else ''}; steps {trainer.step:,} -> {R.steps:,}")
     ev = run.train.eval_every                                                          # 3. train, stopping at evaluations
-    if trainer.step >= R.steps: _say(f"  the run is already at step {trainer.step:,}: nothing to train (raise --steps to continue)")
+    if trainer.step >= R.steps:
+        trainer.fit(trainer.step)                                      # only what a stop in its last window left owed: a validation
+        _say(f"  the run is already at step {trainer.step:,}: nothing to train (raise --steps to continue)")
     while trainer.step < R.steps:
         trainer.fit(R.steps if not ev else min(R.steps, (trainer.step // ev + 1) * ev), bar_total=R.steps)
         row = trainer.history[-1] if trainer.history else {}

@@ -221,6 +221,7 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     start, t0 = trainer.step, time.perf_counter()
     row = dict(session=os.urandom(6).hex(), start_step=start, hardware=hardware(dev, tcfg.precision), date=time.strftime('%Y-%m-%d %H:%M'))
     if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats(dev)
+    if trainer.step >= preset.steps: trainer.fit(trainer.step)           # only a validation a stop in the last window left owed
     while trainer.step < preset.steps:                                  # chunks of ckpt_every; fit saves after each
         t_chunk = time.perf_counter()
         try: trainer.fit(min(preset.steps, (trainer.step // preset.ckpt_every + 1) * preset.ckpt_every))

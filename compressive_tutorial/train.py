@@ -572,7 +572,8 @@ class Trainer:
         self._saved_at = self._clock()
         self._mark = time.perf_counter()                                    # train_s and the row's seconds count from here (_tick)
         stopping = None                                                     # the signal all ranks agreed on (never stop.signum itself)
-        if self._validation_due(): self._validate()                         # owed by a run stopped in the window that ended here
+        owed = self._validation_due()                                       # by a run stopped in the window that ended here:
+        if owed: self._validate()                                           # done first (`fit(self.step)` does only this), and saved
         try:
             while self.step < steps and stopping is None:
                 updates, state = self.n_updates, self.state                  # behind the weights and memories this window uses
@@ -606,7 +607,7 @@ class Trainer:
         finally: bar.close()
         if stopping is None: stopping = self._agree(stop.signum, False)[0]  # a signal after the last agreement stops the run too
         self._tick()
-        if self.ckpt_dir is not None and self.checkpoint != (self.ckpt_dir/'last.safetensors', self.step): self.save()
+        if self.ckpt_dir is not None and (owed or self.checkpoint != (self.ckpt_dir/'last.safetensors', self.step)): self.save()
         if stopping is None: stopping = self._agree(stop.signum, False)[0]  # and one during that save: it is written, stop now
         if stopping is not None:
             raise TrainingInterrupted(stopping, self.step, None if self.ckpt_dir is None else self.checkpoint[0])
@@ -800,7 +801,7 @@ def sample_next(logits:Tensor, # (B, V) next-token logits
     "Draw one token per row: temperature, then top-k, then nucleus."
     if not temperature >= 0 or math.isinf(temperature): raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0 means greedy)")
     if temperature == 0: return logits.argmax(-1)
-    logits = logits.float() / temperature
+    given, logits = logits, logits.float() / temperature
     if top_k is not None: logits = top_k_filter(logits, top_k)
     if top_p is not None: logits = top_p_filter(logits, top_p)
     probs = logits.softmax(-1)                                                  # (B, V)
@@ -808,6 +809,9 @@ def sample_next(logits:Tensor, # (B, V) next-token logits
     try: return torch.multinomial(at, 1, generator=generator).squeeze(-1).to(probs.device)   # (B,)
     except RuntimeError:
         if bool(torch.isfinite(probs).all()): raise
+        if not bool(torch.isfinite(given).all()) or bool((given == float('-inf')).all(-1).any()):
+            raise ValueError("the model's logits are not finite (a diverged model, or a precision whose range its activations "
+                             "exceed): no temperature can sample from them") from None
         raise ValueError(f"temperature={temperature:g} is too small for these logits: divided by it they overflow float32, "
                          "so the probabilities are not finite; use a larger temperature, or 0 for greedy") from None
 
