@@ -809,7 +809,7 @@ def sample_next(logits:Tensor, # (B, V) next-token logits
     try: return torch.multinomial(at, 1, generator=generator).squeeze(-1).to(probs.device)   # (B,)
     except RuntimeError:
         if bool(torch.isfinite(probs).all()): raise
-        if not bool(torch.isfinite(given).all()) or bool((given == float('-inf')).all(-1).any()):
+        if bool(given.isnan().any() or (given == float('inf')).any() or (given == float('-inf')).all(-1).any()):   # (-inf alone: masked)
             raise ValueError("the model's logits are not finite (a diverged model, or a precision whose range its activations "
                              "exceed): no temperature can sample from them") from None
         raise ValueError(f"temperature={temperature:g} is too small for these logits: divided by it they overflow float32, "
