@@ -202,10 +202,11 @@ def download_file(url:str, dest, timeout:float=60.) -> Path:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r, open(part, 'wb') as f:
             total = int(r.headers.get('Content-Length') or 0) or None
-            with tqdm(total=total, unit='B', unit_scale=True, desc=dest.name) as bar:
-                while chunk := r.read(1 << 20): f.write(chunk); bar.update(len(chunk))
-            if total is not None and bar.n < total:                    # a connection cut short reads as an early end, not an error
-                raise OSError(f'{url}: the transfer stopped after {bar.n:,} of {total:,} bytes')
+            got = 0
+            with tqdm(total=total, unit='B', unit_scale=True, desc=dest.name) as bar:   # (display only: TQDM_DISABLE counts nothing)
+                while chunk := r.read(1 << 20): f.write(chunk); got += len(chunk); bar.update(len(chunk))
+            if total is not None and got < total:                      # a connection cut short reads as an early end, not an error
+                raise OSError(f'{url}: the transfer stopped after {got:,} of {total:,} bytes')
         part.replace(dest)
     finally: part.unlink(missing_ok=True)
     return dest

@@ -572,7 +572,7 @@ class Trainer:
         self._saved_at = self._clock()
         self._mark = time.perf_counter()                                    # train_s and the row's seconds count from here (_tick)
         stopping = None                                                     # the signal all ranks agreed on (never stop.signum itself)
-        owed = self._validation_due()                                       # by a run stopped in the window that ended here:
+        owed, start = self._validation_due(), self.step                     # owed by a run stopped in the window that ended here:
         if owed: self._validate()                                           # done first (`fit(self.step)` does only this), and saved
         try:
             while self.step < steps and stopping is None:
@@ -607,7 +607,8 @@ class Trainer:
         finally: bar.close()
         if stopping is None: stopping = self._agree(stop.signum, False)[0]  # a signal after the last agreement stops the run too
         self._tick()
-        if self.ckpt_dir is not None and (owed or self.checkpoint != (self.ckpt_dir/'last.safetensors', self.step)): self.save()
+        if self.ckpt_dir is not None and ((owed and self.step == start) or self.checkpoint != (self.ckpt_dir/'last.safetensors', self.step)):
+            self.save()                                                     # (once a window has run, a save of its step holds the row)
         if stopping is None: stopping = self._agree(stop.signum, False)[0]  # and one during that save: it is written, stop now
         if stopping is not None:
             raise TrainingInterrupted(stopping, self.step, None if self.ckpt_dir is None else self.checkpoint[0])
