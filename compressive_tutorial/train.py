@@ -673,7 +673,8 @@ class Trainer:
         if bad: raise self._diverged(f"the weights are not finite ({bad[0]}{' and more' if len(bad) > 1 else ''}); not saved", self.step,
                                      self.n_updates, rollback=False)                     # the checkpoints were finite when written: keep them
         tensors, meta = self.state_dict()                                         # (DDP: gathers every rank's memories)
-        if self.rank == 0: path = save_checkpoint(path, tensors, meta, on_chunk=on_chunk, keep_previous=True)
+        again = self.checkpoint == (Path(path), self.step)                        # this step again (a row added since): no new way back
+        if self.rank == 0: path = save_checkpoint(path, tensors, meta, on_chunk=on_chunk, keep_previous=not again)
         self.checkpoint, self._saved_at = (Path(path), self.step), self._clock()
         return path
 
