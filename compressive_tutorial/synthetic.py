@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from .data import Batch
 from .xl import XLConfig, TransformerXL, lm_loss, temporal_range
-from .model import CTConfig, CompressiveTransformer, attention_cost, ct_temporal_range, windows_per_call
+from .model import CTConfig, CompressiveTransformer, attention_cost, ct_temporal_range, held_memory, windows_per_call
 from .train import TrainConfig, Trainer, hardware
 
 # %% ../nbs/08_long_range_recall.ipynb #5e09cdb6
@@ -228,9 +228,9 @@ class RecallConfig:
         if isinstance(self.task, dict): self.task = RecallTask(**self.task)     # a RecallTask's fields (asdict keeps no subclass: pass an OrderRecallTask itself)
         self.task.check_layout(self.n_s, self.ct_n_m, self.c)
         self.distances = tuple(self.distances)
-        if self.n_cm and self.ct_n_m % self.c:                              # notebook 05's held_memory: whole blocks of c are evicted
+        if held_memory(self.ct_n_m, self.n_cm, self.c) != self.ct_n_m:     # notebook 05: whole blocks of c are evicted
             raise ValueError(f"ct_n_m={self.ct_n_m} is not a multiple of c={self.c}: the Compressive Transformer would hold "
-                             f"{-(-self.ct_n_m // self.c) * self.c} memories and read more keys than Transformer-XL; use a multiple of c.")
+                             f"{held_memory(self.ct_n_m, self.n_cm, self.c)} memories and read more keys than Transformer-XL; use a multiple of c.")
         if self.txl_n_m != self.ct_n_m + self.n_cm:
             raise ValueError(f"unequal attention cost: Transformer-XL reads n_s + txl_n_m = {self.n_s + self.txl_n_m} keys per query, "
                              f"the Compressive Transformer n_s + ct_n_m + n_cm = {self.n_s + self.ct_n_m + self.n_cm}: "
