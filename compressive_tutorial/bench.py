@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['IMPLS', 'BENCH_CPU', 'BENCH_GPU', 'RUNNERS', 'BenchConfig', 'ct_flops_per_token', 'Runner', 'OursRunner', 'CannotRun',
-           'LucidrainsRunner', 'LabmlRunner', 'make_runners', 'mm_flops', 'counted_flops', 'device_peak_flops',
-           'run_benchmark', 'cuda_peak_mib', 'cpu_peak_mib', 'report', 'run_spread', 'profile_table']
+           'LucidrainsRunner', 'LabmlRunner', 'make_runners', 'native_dtype', 'mm_flops', 'counted_flops',
+           'device_peak_flops', 'run_benchmark', 'cuda_peak_mib', 'cpu_peak_mib', 'report', 'run_spread',
+           'profile_table']
 
 # %% ../nbs/15_performance.ipynb #b1500004
 import contextlib, gc, json, math, os, re, statistics, subprocess, sys, time
@@ -17,7 +18,7 @@ from torch import Tensor
 from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer
 from .losses import CompressionLoss
-from .train import DEVICES, hardware, make_adam, compile_layers
+from .train import DEVICES, hardware, make_adam, compile_layers, bf16_native
 from .experiments import _sync
 from .analysis import warmup_windows
 
@@ -284,6 +285,11 @@ def _autocast(cfg:BenchConfig):
     if cfg.dtype == 'float32': return torch.autocast('cpu', enabled=False)
     return torch.autocast(cfg.device.split(':')[0], dtype=getattr(torch, cfg.dtype))
 
+def native_dtype(cfg:BenchConfig) -> BenchConfig:
+    "The setting as this device can time it: bf16 becomes fp16 on a GPU without bf16 units (a T4), where bf16 is only emulated, many times slower; fp16 is what training takes there (`choose_precision`)."
+    if cfg.dtype == 'bfloat16' and cfg.device.startswith('cuda') and not bf16_native(cfg.device): return replace(cfg, dtype='float16')
+    return cfg
+
 def mm_flops(device:str='cpu', # where
              dtype:str='float32', # the benchmark's precision
              n:int|None=None, # size of the square matmul (None: 2048 on CPU, 8192 on CUDA)
@@ -333,6 +339,7 @@ def device_peak_flops(cfg:BenchConfig) -> float|None:
     "Dense bf16/fp16 tensor-core peak FLOP/s of the CUDA device, from its name (None if unknown or fp32: no MFU printed)."
     if not cfg.device.startswith('cuda'): return None
     if cfg.dtype == 'float32': return None                # tensor-core peaks are for bf16/fp16; fp32 MFU is not printed
+    if cfg.dtype == 'bfloat16' and not bf16_native(cfg.device): return None   # bf16 emulated (a T4): no tensor-core peak applies
     name = torch.cuda.get_device_name(cfg.device)
     table = {'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H100': 989e12, 'H200': 989e12, 'A100': 312e12, 'L40S': 362e12,
              'L40': 181e12, 'L4': 121e12, 'T4': 65e12}        # the most specific name first; whole words ('L4' is not 'L40S')
@@ -395,15 +402,15 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
 # %% ../nbs/15_performance.ipynb #b1500021
 def cuda_peak_mib(runner:Runner, cfg:BenchConfig, xy) -> tuple:
     "(training, inference) peak CUDA memory in MiB of two steps above what was allocated before them (the weights, optimiser state and memories of every implementation alive), from the allocator's statistics."
-    out = []
+    out, dev = [], cfg.device                             # the benchmark's GPU, which need not be the current one (cuda:1)
     for phase in ('train', 'infer'):
         with _autocast(cfg): runner.step(phase, *xy(0))    # the phase's steady state first (a compiled model: its graph for it)
-        gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        gc.collect(); torch.cuda.synchronize(dev); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
         with _autocast(cfg):
             for i in range(2): runner.step(phase, *xy(i))
-        torch.cuda.synchronize()
-        out.append((torch.cuda.max_memory_allocated() - base) / 2**20)
+        torch.cuda.synchronize(dev)
+        out.append((torch.cuda.max_memory_allocated(dev) - base) / 2**20)
     return tuple(out)
 
 def _rss_mib(key:str='VmRSS') -> float:

@@ -24,11 +24,11 @@ from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
 from .train import (
     TrainConfig, Trainer, evaluate, sample, compression_parameters, seed_everything, lr_at, hardware, init_distributed, dist_rank_world, DEVICES,
-    PRECISIONS, choose_precision, bf16_native)
+    PRECISIONS, choose_precision)
 from .train import compile_layers
 from .checkpoint import (
     TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, load_weights, folder_lock, write_atomic)
-from .bench import BENCH_CPU, BENCH_GPU, BenchConfig, RUNNERS, run_benchmark, report
+from .bench import BENCH_CPU, BENCH_GPU, BenchConfig, RUNNERS, run_benchmark, report, native_dtype
 from .experiments import _data_key
 from .synthetic import RecallConfig, recall_models, run_demo
 
@@ -600,7 +600,7 @@ def sample_command(args, download=None) -> int:
     g = torch.Generator(device=device).manual_seed(args.seed)
     with _threads(run.run.threads):
         out = sample(model, ids, args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=g,
-                     precision=run.train.precision)   # (n,)
+                     precision=args.precision or run.train.precision)   # (n,)
     print(tok.decode(torch.cat([ids, out.to(ids.device)])), flush=True)   # one decode: a character may straddle the two
     return 0
 
@@ -699,11 +699,10 @@ def bench_config(args) -> BenchConfig:
         src = '--set device' if 'device' in over else f'the {preset} preset'
         raise ConfigError(f"device={cfg.device} ({src}) needs CUDA, and there is none here: use --preset cpu (or --set device=cpu)")
     _device(cfg.device, '--set device=')                               # a GPU or mps this machine does not have
-    if cfg.dtype == 'bfloat16' and cfg.device.startswith('cuda') and not bf16_native(cfg.device):   # a T4: bf16 only emulated
-        if 'dtype' in over: raise ConfigError(f"--set dtype=bfloat16: {torch.cuda.get_device_name(cfg.device)} has no bf16 units, so "
-                                              "the benchmark would time an emulation: use --set dtype=float16")
-        cfg = dataclasses.replace(cfg, dtype='float16')                 # the precision training takes there (fp16 peak for the MFU)
-    return cfg
+    if native_dtype(cfg) != cfg and 'dtype' in over:                    # a T4: bf16 only emulated
+        raise ConfigError(f"--set dtype=bfloat16: {torch.cuda.get_device_name(cfg.device)} has no bf16 units, so "
+                          "the benchmark would time an emulation: use --set dtype=float16")
+    return native_dtype(cfg)                                            # the preset's bf16 as fp16 there (fp16 peak for the MFU)
 
 def bench_command(args, download=None) -> int:
     "`ct bench`: tokens/s of our models beside the installed public implementations, same config, same process, as ratios."
@@ -783,6 +782,7 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument('--top-p', type=_float_in(0, 1, lo_open=True), help='nucleus sampling mass (the paper: 0.98)')
     s.add_argument('--seed', type=_int_at_least(0), default=0, help='the same seed gives the same sample')
     s.add_argument('--device', help="default: the run's device setting")
+    s.add_argument('--precision', choices=PRECISIONS, help="default: the run's precision setting (e.g. fp16 on a T4 for a run trained in bf16)")
     s.set_defaults(func=sample_command)
 
     b = sub.add_parser('bench', help='tokens/s of our models beside the public implementations (notebook 15), as ratios',

@@ -695,7 +695,7 @@ class RLConfig:
     c_bar:float = 1.0              # V-trace clip of the traces (IMPALA: 1)
     baseline_cost:float = 0.5      # weight of the baseline loss (IMPALA: 0.5)
     entropy_cost:float = 2e-3      # weight of the entropy bonus (the paper's §5.7: 2e-3)
-    lr:float = 1e-3                # Adam learning rate (the paper: 1.5e-5 with RMSProp, for billions of frames)
+    lr:float = 1e-3                # Adam learning rate (the paper's §5.7: 1.5e-5, for far more frames than these runs)
     max_grad_norm:float = 1.0      # global gradient-norm clip (IMPALA: 40, on a loss summed over the batch)
     updates:int = 500              # learner updates; environment frames = updates * num_envs * unroll
     curriculum:dict|None = None    # DelayCurriculum arguments other than d_min, d_final, e.g. dict(d_start=4, step=4); None = off

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['PRECISIONS', 'DEVICES', 'LN2', 'PRECISION_NOTES', 'TrainConfig', 'lr_at', 'accumulation_at', 'bits_per_byte',
            'perplexity', 'compression_parameters', 'make_adam', 'load_optimizer_state', 'compile_layers', 'bf16_native',
-           'choose_precision', 'autocast_for', 'evaluate', 'dist_rank_world', 'init_distributed', 'shard_rows',
-           'shard_batch', 'all_sum', 'gather_rows', 'ddp_wrap', 'average_grads', 'Trainer', 'hardware',
+           'choose_precision', 'autocast_for', 'to_device', 'evaluate', 'dist_rank_world', 'init_distributed',
+           'shard_rows', 'shard_batch', 'all_sum', 'gather_rows', 'ddp_wrap', 'average_grads', 'Trainer', 'hardware',
            'seed_everything', 'top_k_filter', 'top_p_filter', 'sample_next', 'sample']
 
 # %% ../nbs/06_training.ipynb #df0e3126
@@ -39,7 +39,7 @@ class TrainConfig:
     decay_steps:int = 100_000        # S_d: iterations of cosine decay lr_max -> lr_min after the warmup (word-level: 500,000)
     betas:tuple = (0.9, 0.999)       # Adam's (beta1, beta2); not stated in the paper, Adam's defaults
     eps:float = 1e-8                 # Adam's epsilon
-    weight_decay:float = 0.0         # Adam's L2 weight decay (the paper uses none)
+    weight_decay:float = 0.0         # Adam's L2 weight decay (not stated in the paper; none here)
     clip_norm:float|None = 0.1       # max total gradient norm (paper: 0.1); None turns clipping off
     update_every:int = 4             # k: once past `update_every_after`, one update per k windows (gradients averaged)
     update_every_after:int = 60_000  # N: iterations with one update per window before switching to k (§5.5.1)
@@ -191,6 +191,14 @@ def autocast_for(device, # where the model runs
     return torch.autocast(torch.device(device).type, dtype=_LOW[precision])
 
 # %% ../nbs/06_training.ipynb #7076f657
+def to_device(t:Tensor|None, # a loader's tensor (or None: no such field)
+              device # where the model runs
+             ) -> Tensor|None:
+    "`t` on `device`; onto a GPU through pinned memory, so that the host does not wait for the GPU's queued work (a copy from ordinary, pageable memory waits for all of it)."
+    if t is None: return None
+    if torch.device(device).type == 'cuda' and t.device.type == 'cpu': return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
 @torch.no_grad()
 def evaluate(model:nn.Module, # a model of the package's interface
              loader, # Batch(x, y, reset) windows, read from the first one with a fresh memory
@@ -222,8 +230,7 @@ def evaluate(model:nn.Module, # a model of the package's interface
             if max_batches is not None and i >= max_batches: break
             if shard: b = shard_batch(b, rank, world)                             # this rank's streams
             n = int((b.y != -100).sum())                                          # counted where the loader made it (no device sync)
-            x, y = b.x.to(dev), b.y.to(dev)                                       # (B, T)
-            reset = None if b.reset is None else b.reset.to(dev)                  # (B,)
+            x, y, reset = (to_device(t, dev) for t in (b.x, b.y, b.reset))        # (B, T), (B, T), (B,) or None
             with autocast_for(dev, precision): _, loss, state = model(x, state, targets=y, reset=reset, **forward_kwargs)
             if n == 0: continue                                                   # no targets (all -100): read for the memories only
             nats = nats + loss.detach().to(wide) * n; n_tok += n                 # mean over real targets -> sum, on the device:
@@ -438,7 +445,7 @@ class Trainer:
 
     def _to_device(self, batch) -> tuple:
         "A batch's (x, y, reset) on the trainer's device."
-        return batch.x.to(self.device), batch.y.to(self.device), None if batch.reset is None else batch.reset.to(self.device)
+        return tuple(to_device(t, self.device) for t in (batch.x, batch.y, batch.reset))
 
     def _aux_share(self, rows # the streams this rank's aux loss averaged over in this window (0: none; a model without `aux_rows`: 1)
                   ) -> float: # world x this rank's share of all ranks' streams; 1 in one process

@@ -1,6 +1,6 @@
 """GPU checks that run without nbdev (the GPU machine has none): fused (SDPA and FlexAttention) against explicit attention on CUDA (fp32 and bf16),
 the fused kernel with the in-place shift's strided mask, the cached inference path, the reused projections of the
-reconstruction loss, the host syncs of a training window, sampling with a CPU generator, and a short form of the GPU benchmark.
+reconstruction loss, the host syncs of a training window and of evaluation, sampling with a CPU generator, and a short form of the GPU benchmark.
 Every test here skips cleanly on a machine without CUDA."""
 import traceback, warnings
 from dataclasses import replace
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from compressive_tutorial.attention import RelativeMultiHeadAttention, attention_mask, shift_masked, shift_masked_
 from compressive_tutorial.model import CTConfig, CompressiveTransformer, layer_compression_loss
-from compressive_tutorial.train import sample, bf16_native
+from compressive_tutorial.train import sample, bf16_native, evaluate
+from compressive_tutorial.data import StreamLoader
 from compressive_tutorial.xl import reach_from_visibility, xl_equivalent_mask
 from compressive_tutorial.bench import BENCH_GPU, run_benchmark, report
 
@@ -129,6 +130,24 @@ def test_a_training_window_syncs_once():
     ours = [s for s in stacks if any('compressive_tutorial' in f.filename or f.name == 'backward' for f in s)]
     where = lambda s: ' <- '.join(f'{f.filename.split("site-packages/")[-1]}:{f.lineno}' for f in s[::-1][:4])
     assert len(ours) == 2, f'{len(ours)} syncs in the model, expected 1 per window: ' + '; '.join(map(where, stacks))
+
+
+def test_evaluation_waits_for_the_gpu_once():
+    "`evaluate` copies each CPU window to the GPU without waiting for the windows queued before it: one wait, for the total at the end."
+    model = _ct()
+    loader = StreamLoader(torch.randint(0, 64, (3 * 16 * 6 + 1,), generator=torch.Generator().manual_seed(0)), batch_size=3, n_s=16)
+    evaluate(model, loader, precision='fp32'); torch.cuda.synchronize()   # the kernels chosen, the caches made
+    stacks = []
+    def record(message, *args, **kw):
+        if 'synchroniz' in str(message): stacks.append(traceback.extract_stack()[:-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter('always'); warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode('warn')
+        try: evaluate(model, loader, precision='fp32')                         # 6 windows
+        finally: torch.cuda.set_sync_debug_mode('default')
+    ours = [s for s in stacks if any('compressive_tutorial' in f.filename for f in s)]
+    where = lambda s: ' <- '.join(f'{f.filename.split("site-packages/")[-1]}:{f.lineno}' for f in s[::-1][:4])
+    assert len(ours) == 1, f'{len(ours)} waits in 6 windows, expected 1 (the total): ' + '; '.join(map(where, ours))
 
 
 def test_sampling_with_a_cpu_generator_and_cuda_helpers():
