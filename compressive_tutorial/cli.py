@@ -699,10 +699,11 @@ def bench_config(args) -> BenchConfig:
         src = '--set device' if 'device' in over else f'the {preset} preset'
         raise ConfigError(f"device={cfg.device} ({src}) needs CUDA, and there is none here: use --preset cpu (or --set device=cpu)")
     _device(cfg.device, '--set device=')                               # a GPU or mps this machine does not have
-    if native_dtype(cfg) != cfg and 'dtype' in over:                    # a T4: bf16 only emulated
+    native = native_dtype(cfg)                                          # the preset's bf16 as fp16 on a T4 (fp16 peak for the MFU)
+    if native != cfg and 'dtype' in over:                               # asked for by name: bf16 would only be emulated there
         raise ConfigError(f"--set dtype=bfloat16: {torch.cuda.get_device_name(cfg.device)} has no bf16 units, so "
                           "the benchmark would time an emulation: use --set dtype=float16")
-    return native_dtype(cfg)                                            # the preset's bf16 as fp16 there (fp16 peak for the MFU)
+    return native
 
 def bench_command(args, download=None) -> int:
     "`ct bench`: tokens/s of our models beside the installed public implementations, same config, same process, as ratios."
