@@ -13,7 +13,7 @@ __all__ = ['NONMATCH_ID', 'MINIGRID_ID', 'CORES', 'EPISODE_KEYS', 'NEUTRAL_FIELD
            'memory_plan']
 
 # %% ../nbs/12_rl.ipynb #4640f7ac
-import contextlib, copy, json, math, multiprocessing, numbers, os, re, time
+import contextlib, copy, json, math, multiprocessing, numbers, os, re, shutil, time
 from collections import deque
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -763,6 +763,7 @@ class RLTrainer:
             self.curriculum.apply(self.envs)
         self.actor = Actor(self.envs, self.agent, cfg.unroll, cfg.seed)
         self.update, self.frames, self.seconds, self.history = 0, 0, 0.0, []
+        self.resumed_at = []                                       # the updates at which `resume` continued the run (new environments)
         self._stats, self._episodes, self._row_seconds = [], [], 0.0   # since the last history row; `seconds` at that row
         self.checkpoint = None                                     # (path, update) of the last checkpoint written
 
@@ -806,17 +807,18 @@ class RLTrainer:
         self.history.append(row); self._stats, self._episodes, self._row_seconds = [], [], self.seconds
         return row
 
-    def train(self, updates:int|None=None # train until this many updates in all (None: cfg.updates)
+    def train(self, updates:int|None=None, # train until this many updates in all (None: cfg.updates)
+              deadline:float|None=None # a time.time() at which to stop early: after a whole update, saved, without an error
              ) -> list: # the history
-        "Run the actor-learner loop until `self.update == updates`, logging, checkpointing and showing progress; stop safely on a signal or a NaN."
+        "Run the actor-learner loop until `self.update == updates` (or the deadline), logging, checkpointing and showing progress; stop safely on a signal or a NaN."
         target = self.cfg.updates if updates is None else updates
         if target < self.update: raise ValueError(f"train(updates={target}): the run is already at update {self.update}.")
         with contextlib.ExitStack() as held:
             if self.ckpt_dir is not None: held.enter_context(folder_lock(self.ckpt_dir))   # one run per folder
-            self._train(target, held.enter_context(StopSignals()))                        # SIGINT/SIGTERM only raise a flag
+            self._train(target, held.enter_context(StopSignals()), deadline)              # SIGINT/SIGTERM only raise a flag
         return self.history
 
-    def _train(self, target:int, stop:StopSignals):
+    def _train(self, target:int, stop:StopSignals, deadline:float|None):
         "The loop of `train`, inside the folder lock and the signal handlers: a signal stops it only after a whole update."
         cfg = self.cfg
         old_threads = torch.get_num_threads()
@@ -824,7 +826,7 @@ class RLTrainer:
         bar = tqdm(total=target, initial=self.update, disable=not cfg.progress, mininterval=1, ncols=120, unit='upd')
         flushed = False
         try:
-            while self.update < target and stop.signum is None:
+            while self.update < target and stop.signum is None and (deadline is None or time.time() < deadline):
                 t0 = time.perf_counter()
                 ro, eps = self.actor.rollout(self.lag.behaviour())
                 self._stats.append(self.learner_step(ro)); self._episodes += eps
@@ -838,7 +840,8 @@ class RLTrainer:
                     bar.set_postfix(**post, refresh=False)
                 if cfg.ckpt_every and self.ckpt_dir is not None and self.update % cfg.ckpt_every == 0: self.save()
                 bar.update(1)
-            if self._stats: self._log(); flushed = True   # the updates since the last row (a target or a stop off the log grid)
+            if self._stats and self.update >= target: self._log(); flushed = True   # a target off the log grid: the updates since the last row
+                                                  # (a stop keeps them in its checkpoint, so a continued run's rows stay on the grid)
         finally:
             bar.close(); torch.set_num_threads(old_threads)
         if self.ckpt_dir is not None and (flushed or self.checkpoint != (self.ckpt_dir/'last.safetensors', self.update)): self.save()
@@ -854,7 +857,7 @@ class RLTrainer:
         for i, snap in enumerate(self.lag.snapshots): tensors.update({f'lag.{i}.{k}': v for k, v in snap.items()})
         cur = None if self.curriculum is None else dict(d_max=self.curriculum.d_max, recent=list(self.curriculum.recent))
         meta = dict(cfg=asdict(self.cfg), update=self.update, frames=self.frames, seconds=self.seconds, history=self.history,
-                    opt=opt_skel, aux_opt=aux_skel, n_lag=len(self.lag.snapshots), curriculum=cur,
+                    opt=opt_skel, aux_opt=aux_skel, n_lag=len(self.lag.snapshots), curriculum=cur, resumed_at=self.resumed_at,
                     row=dict(stats=self._stats, episodes=self._episodes, seconds=self._row_seconds))   # the row under way
         return tensors, meta
 
@@ -886,6 +889,7 @@ class RLTrainer:
         for i in range(meta['n_lag']):
             tr.lag.snapshots.append({k[len(f'lag.{i}.'):]: v for k, v in tensors.items() if k.startswith(f'lag.{i}.')})
         tr.update, tr.frames, tr.seconds, tr.history = meta['update'], meta['frames'], meta['seconds'], meta['history']
+        tr.resumed_at = meta.get('resumed_at', []) + [tr.update]
         if 'row' in meta: tr._stats, tr._episodes, tr._row_seconds = meta['row']['stats'], meta['row']['episodes'], meta['row']['seconds']
         if meta['curriculum'] is not None and tr.curriculum is not None:
             tr.curriculum.d_max = meta['curriculum']['d_max']; tr.curriculum.recent.extend(meta['curriculum']['recent'])
@@ -944,14 +948,28 @@ def _eval_args(delays, episodes_per_env) -> tuple:
         raise ValueError(f"episodes_per_env={episodes_per_env!r} must be an int >= 1.")
     return [int(D) for D in ds], int(episodes_per_env)
 
+NEUTRAL_FIELDS = ('progress', 'threads', 'ckpt_every')   # RLConfig fields a saved result or checkpoint is reused across: the progress
+                                                         # bar, the thread count (at most the last bits of a sum), how often it saves
+
+def _same_config(a:dict, b:dict) -> bool:
+    "Two `asdict(RLConfig)`s that give the same run: equal as JSON (as they are saved) outside NEUTRAL_FIELDS."
+    what = lambda c: {k: v for k, v in json.loads(json.dumps(c)).items() if k not in NEUTRAL_FIELDS}
+    return what(a) == what(b)
+
+def _continued(ckpt:Path|None, cfg:dict) -> 'RLTrainer|None':
+    "The run an earlier call saved in the folder `ckpt`, continued, if it is this config's; else None (it starts afresh there)."
+    last = None if ckpt is None else ckpt/'last.safetensors'
+    if last is None or not last.exists() or not _same_config(load_checkpoint(last)[1]['cfg'], cfg): return None
+    return RLTrainer.resume(last, ckpt, **{k: cfg[k] for k in NEUTRAL_FIELDS})
+
 def run_one(name:str, # the configuration's name
             cfg:dict, # `asdict(RLConfig(...))` of the run
             delays=(), # fixed delays D to measure the final success at (the non-matching task)
             episodes_per_env:int=4, # evaluation episodes per environment and delay
-            path:str|None=None, # where the result goes as JSON (None: not saved)
-            deadline:float|None=None # a time.time() after which the run is not started (returns None)
-           ) -> dict|None: # name, cfg, delays, history, final, by_delay, fps, wall_s, hardware
-    "Train one configuration, measure its final success (on the task as configured, over its whole delay range, and at each fixed delay), and save the result."
+            path:str|None=None, # where the result goes as JSON (None: not saved); the run's checkpoints go beside it, in `path` with the suffix .ckpt
+            deadline:float|None=None # a time.time() after which the run is not started; with a `path`, the run stops there too (saved) and returns None
+           ) -> dict|None: # name, cfg, delays, history, final, by_delay, fps, wall_s, resumed_at, hardware
+    "Train one configuration (continuing it where an earlier call's deadline stopped it), measure its final success (on the task as configured, over its whole delay range, and at each fixed delay), and save the result."
     if deadline is not None and time.time() > deadline: return None
     delays, episodes_per_env = _eval_args(delays, episodes_per_env)
     t0, c = time.perf_counter(), RLConfig(**cfg)
@@ -960,30 +978,30 @@ def run_one(name:str, # the configuration's name
             if not hasattr(env.unwrapped, 'set_delay'):
                 raise ValueError(f"delays={list(delays)}: fixed delays need the delayed non-matching task ({NONMATCH_ID}); "
                                  f"{c.env_id} has none. Pass delays=().")
+    ckpt = None if path is None else Path(path).with_suffix('.ckpt')
     old_threads = torch.get_num_threads()
     if c.threads is not None: torch.set_num_threads(c.threads)                   # training and evaluation alike
     try:
-        tr = RLTrainer(c)
-        hist = tr.train()
+        tr = _continued(ckpt, cfg) or RLTrainer(c, ckpt)
+        trained_before = tr.seconds                                              # in the calls before this one
+        hist = tr.train(deadline=None if ckpt is None else deadline)             # without a folder, a stop would lose the run
+        if tr.update < c.updates: return None                                    # stopped at the deadline, saved: the next call goes on
         res = dict(name=name, cfg=cfg, delays=list(delays), episodes_per_env=episodes_per_env, history=hist,
                    final=evaluate_agent(tr.agent, c.env_id, episodes_per_env, **c.env_kwargs),
                    by_delay={D: evaluate_agent(tr.agent, c.env_id, episodes_per_env, **{**c.env_kwargs, 'd_min': D, 'd_max': D}) for D in delays},
-                   fps=tr.frames / tr.seconds, hardware=hardware())
+                   fps=tr.frames / tr.seconds, resumed_at=tr.resumed_at, hardware=hardware())
     finally: torch.set_num_threads(old_threads)
-    res['wall_s'] = time.perf_counter() - t0
+    res['wall_s'] = time.perf_counter() - t0 + trained_before
     if path is not None:
         write_atomic(path, json.dumps(res))                               # a result is whole or absent
+        shutil.rmtree(ckpt)                                               # and replaces the checkpoints
     return res
-
-NEUTRAL_FIELDS = ('progress', 'threads', 'ckpt_every')   # RLConfig fields a saved result is reused across: the progress bar,
-                                                         # the thread count (at most the last bits of a sum), checkpoints (run_one writes none)
 
 def _load_result(path:Path, cfg:dict, delays, episodes_per_env:int) -> dict|None:
     "A saved result of this config (fields outside NEUTRAL_FIELDS), evaluated at these delays on as many episodes, or None."
     if not path.exists(): return None
     r = json.loads(path.read_text())
-    what = lambda c: {k: v for k, v in c.items() if k not in NEUTRAL_FIELDS}
-    if what(r['cfg']) != what(json.loads(json.dumps(cfg))) or r['delays'] != list(delays) or r.get('episodes_per_env') != episodes_per_env:
+    if not _same_config(r['cfg'], cfg) or r['delays'] != list(delays) or r.get('episodes_per_env') != episodes_per_env:
         return None                                                     # another config or evaluation: run it again
     r['by_delay'] = {int(D): s for D, s in r['by_delay'].items()}
     return r
@@ -995,7 +1013,7 @@ def run_experiment(specs:dict, # name -> the RLConfig fields that differ from `b
                    episodes_per_env:int=4, # evaluation episodes per environment, for each delay
                    out_dir:str|Path|None=None, # each run's result is saved here as JSON, and a saved result is loaded, not rerun
                    workers:int=1, # runs in parallel processes (one CPU thread each); 1 = in this process
-                   budget_s:float|None=None, # start no run after this many seconds (rerun the call to go on); None = no limit
+                   budget_s:float|None=None, # after this many seconds, start no run and stop those under way (saved in out_dir); rerun the call to go on. None = no limit
                    verbose:bool=True # one line per run
                   ) -> dict: # histories, final success, success by delay, wall times, frames/s, hardware, the runs still missing
     "Train every spec with every seed, or load its saved result; keep the success curves and the final success at each delay."

@@ -83,19 +83,21 @@ def test_merge_takes_only_cells_that_ran(tmp_path, monkeypatch):
 
 
 def test_session_brings_back_a_notebooks_saved_results(tmp_path):
-    "`.ci/gpu_session.sh nb:NAME`: the JSON results the notebook saved under nbs/runs/NAME come back in $OUT as one tarball (nothing else from there), so the next lease can carry them in."
+    "`.ci/gpu_session.sh nb:NAME`: the JSON results the notebook saved under nbs/runs/NAME, and the last checkpoints of runs stopped on the way (RUN.ckpt/), come back in $OUT as one tarball (nothing else from there), so the next lease can carry them in."
     import shutil, subprocess, sys, tarfile
     (tmp_path / '.ci').mkdir()
     for f in ('gpu_session.sh', 'gpu_cells.py'): shutil.copy(ROOT / '.ci' / f, tmp_path / '.ci' / f)
     shutil.copy(ROOT / 'settings.ini', tmp_path)                   # (its tst_flags)
     (tmp_path / 'nbs').mkdir()
     notebook(tmp_path / 'nbs' / 'r.ipynb', 'import pathlib', '#| gpu\nd = pathlib.Path("runs/r/big"); d.mkdir(parents=True)\n'
-             '(d / "a-seed0.json").write_text("{}"); (d / "weights.bin").write_bytes(b"x")')
+             '(d / "a-seed0.json").write_text("{}"); (d / "weights.bin").write_bytes(b"x")\n'
+             'c = d / "b-seed0.ckpt"; c.mkdir(); (c / "last.safetensors").write_bytes(b"y"); (c / "last.prev.safetensors").write_bytes(b"z")')
     out = tmp_path / 'out'
     env = {**__import__('os').environ, 'OUT': str(out), 'PYTHON': sys.executable}
     p = subprocess.run(['bash', str(tmp_path / '.ci' / 'gpu_session.sh'), 'nb:r'], env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
-    with tarfile.open(out / 'r-runs.tgz') as t: assert t.getnames() == ['nbs/runs/r/big/a-seed0.json']   # the results, not the weights
+    with tarfile.open(out / 'r-runs.tgz') as t:                    # the results and the runs to continue, not other weights
+        assert sorted(t.getnames()) == ['nbs/runs/r/big/a-seed0.json', 'nbs/runs/r/big/b-seed0.ckpt/last.safetensors']
 
 
 def test_merge_refuses_a_changed_cell(tmp_path):
