@@ -125,14 +125,16 @@ class Runner:
     def step(self, phase:str, x:Tensor, y:Tensor):
         "One window of `phase`: 'train' (with targets y) or 'infer'."
         self.train_step(x, y) if phase == 'train' else self.infer_step(x)
+    def window(self, phase:str, x:Tensor, y:Tensor, cfg:BenchConfig):
+        "One window of `phase` in the benchmark's precision: an autocast region of its own, as a training loop has. Autocast keeps its low-precision copies of the weights until its region ends, so one region around several training windows would give the later ones the weights from before the optimiser's steps."
+        with _autocast(cfg): self.step(phase, x, y)
     def warm_up(self, phase:str, xy, cfg:BenchConfig):
         "From a fresh stream, `cfg.warm` windows xy(i) of `phase`: memories full. A compiled model runs them eagerly, then compiles in two more windows the one graph of the steady state."
         self.reset()
-        with _autocast(cfg):
-            with torch.compiler.set_stance('force_eager') if self.compiled else contextlib.nullcontext(), _flex_as_sdpa(self.model):
-                for i in range(cfg.warm): self.step(phase, *xy(i))
-            if self.compiled:
-                for i in range(cfg.warm, cfg.warm + 2): self.step(phase, *xy(i))
+        with torch.compiler.set_stance('force_eager') if self.compiled else contextlib.nullcontext(), _flex_as_sdpa(self.model):
+            for i in range(cfg.warm): self.window(phase, *xy(i), cfg)
+        if self.compiled:
+            for i in range(cfg.warm, cfg.warm + 2): self.window(phase, *xy(i), cfg)
 
 class OursRunner(Runner):
     "Our TransformerXL or CompressiveTransformer: the task loss trains the model, the reconstruction loss only f_c."
@@ -381,9 +383,7 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
             mm.append(mm_flops(dev, cfg.dtype, seconds=0.3))
             for n in names[rep % len(names):] + names[:rep % len(names)]:    # rotate the order every repetition
                 r = runners[n]
-                def step(i, r=r):
-                    with _autocast(cfg): r.step(phase, *xy(i))
-                try: res[n][phase].append(cfg.steps * cfg.batch_size * cfg.n_s / _time(step, cfg.steps, dev))
+                try: res[n][phase].append(cfg.steps * cfg.batch_size * cfg.n_s / _time(lambda i: r.window(phase, *xy(i), cfg), cfg.steps, dev))
                 except Exception as e: drop(n, phase, 'timing', e)
             if progress: print(f"{phase} rep {rep + 1}/{cfg.reps}: " + '  '.join(f"{n} {res[n][phase][-1]:,.0f}" for n in names), flush=True)
     for n, r in runners.items():
@@ -404,11 +404,10 @@ def cuda_peak_mib(runner:Runner, cfg:BenchConfig, xy) -> tuple:
     "(training, inference) peak CUDA memory in MiB of two steps above what was allocated before them (the weights, optimiser state and memories of every implementation alive), from the allocator's statistics."
     out, dev = [], cfg.device                             # the benchmark's GPU, which need not be the current one (cuda:1)
     for phase in ('train', 'infer'):
-        with _autocast(cfg): runner.step(phase, *xy(0))    # the phase's steady state first (a compiled model: its graph for it)
+        runner.window(phase, *xy(0), cfg)                  # the phase's steady state first (a compiled model: its graph for it)
         gc.collect(); torch.cuda.synchronize(dev); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-        with _autocast(cfg):
-            for i in range(2): runner.step(phase, *xy(i))
+        for i in range(2): runner.window(phase, *xy(i), cfg)
         torch.cuda.synchronize(dev)
         out.append((torch.cuda.max_memory_allocated(dev) - base) / 2**20)
     return tuple(out)
@@ -430,8 +429,7 @@ def _peak_child(name:str, cfg_json:str, phase:str):
     if r.compiled: r.warm_up(phase, lambda i: (x, x), cfg)       # a compiled model compiles first: not the model's memory
     r.reset(); gc.collect()
     base = _rss_mib(); _reset_peak()
-    with _autocast(cfg):                                          # as the timed windows run
-        for _ in range(cfg.warm): r.step(phase, x, x)
+    for _ in range(cfg.warm): r.window(phase, x, x, cfg)          # as the timed windows run
     print(json.dumps(_rss_mib('VmHWM') - base))
 
 def cpu_peak_mib(name:str, cfg:BenchConfig) -> tuple:
@@ -524,8 +522,7 @@ def profile_table(cfg:BenchConfig, # sizes and device
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s), device=cfg.device)
     cuda = cfg.device.startswith('cuda')
     r.warm_up(phase, lambda i: (x, x), cfg)
-    with _autocast(cfg):
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            for _ in range(steps): r.step(phase, x, x)
-            _sync(cfg.device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps): r.window(phase, x, x, cfg)
+        _sync(cfg.device)
     return prof.key_averages().table(sort_by='self_cuda_time_total' if cuda else 'self_cpu_time_total', row_limit=rows)
