@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .xl import XLConfig, Memory, empty_memory, fifo_push, memory_push, visible_after, mask_memory, XLLayer, TransformerXL, lm_loss, reach_from_visibility
+from .xl import XLConfig, plain_ints, Memory, empty_memory, fifo_push, memory_push, visible_after, mask_memory, XLLayer, TransformerXL, lm_loss, reach_from_visibility
 from .compress import COMPRESSORS, make_compressor, check_divisible, attention_usage
 from .losses import CompressionLoss, make_decoder, compression_loss, check_compression_setup, projected_reconstruction_loss
 
@@ -31,6 +31,7 @@ class CTConfig(XLConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        plain_ints(self, ('n_cm', 'c'))
         if isinstance(self.n_cm, bool) or not isinstance(self.n_cm, int) or self.n_cm < 0:
             raise ValueError(f"n_cm={self.n_cm!r} must be an int >= 0 (0 = no compressed memory: a Transformer-XL).")
         if isinstance(self.c, bool) or not isinstance(self.c, int) or self.c < 1:
