@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['NONMATCH_ID', 'MINIGRID_ID', 'CORES', 'EPISODE_KEYS', 'NEUTRAL_FIELDS', 'check_action', 'check_reward',
            'DelayedNonMatchEnv', 'DelayCurriculum', 'MiniGridMemory', 'make_minigrid_memory', 'make_envs',
-           'VTraceReturns', 'vtrace', 'check_core_inputs', 'LSTMCore', 'FeedForwardCore', 'run_chunks', 'episode_ids',
-           'per_episode_reference', 'check_core', 'episode_visibility', 'influence_mask', 'ObsEncoder', 'AgentOutput',
-           'Agent', 'TransformerXLCore', 'CompressiveCore', 'Rollout', 'PolicyLag', 'check_agent_fits', 'Actor',
-           'RLConfig', 'impala_loss', 'RLTrainer', 'evaluate_agent', 'run_one', 'run_experiment', 'success_matrix',
-           'plot_success_curves', 'plot_success_vs_delay', 'experiment_table', 'reach_by_offset', 'predicted_success',
-           'memory_plan']
+           'VTraceReturns', 'vtrace', 'check_core_inputs', 'RecurrentCore', 'LSTMCore', 'GRUCore', 'FeedForwardCore',
+           'run_chunks', 'episode_ids', 'per_episode_reference', 'check_core', 'episode_visibility', 'influence_mask',
+           'ObsEncoder', 'AgentOutput', 'Agent', 'TransformerXLCore', 'CompressiveCore', 'Rollout', 'PolicyLag',
+           'check_agent_fits', 'Actor', 'RLConfig', 'impala_loss', 'RLTrainer', 'evaluate_agent', 'run_one',
+           'run_experiment', 'success_matrix', 'plot_success_curves', 'plot_success_vs_delay', 'experiment_table',
+           'reach_by_offset', 'predicted_success', 'memory_plan']
 
 # %% ../nbs/12_rl.ipynb #4640f7ac
 import contextlib, copy, json, math, multiprocessing, numbers, os, re, shutil, time
@@ -294,36 +294,57 @@ def check_core_inputs(x:Tensor, # (B, T, d_in) observation embeddings
     return x.shape[:2]
 
 # %% ../nbs/12_rl.ipynb #f366fca4
-class LSTMCore(nn.Module):
-    "IMPALA's core: an LSTM run step by step, its state zeroed at each episode's first step."
-    def __init__(self, d_in:int, # width of the observation embeddings
-                 d_hidden:int # LSTM width = d_out
+class RecurrentCore(nn.Module):
+    "A recurrent cell run step by step, its state (a tuple of (B, d_out) tensors) zeroed at each episode's first step."
+    n_state = 1                                               # tensors in the state: (h,), or (h, c) for an LSTM
+
+    def __init__(self, cell:nn.Module # an `nn.LSTMCell` or `nn.GRUCell`: its input width is d_in, its hidden width d_out
                 ):
         super().__init__()
-        self.d_in, self.d_out = d_in, d_hidden
-        self.cell = nn.LSTMCell(d_in, d_hidden)
+        self.d_in, self.d_out, self.cell = cell.input_size, cell.hidden_size, cell
 
-    def init_state(self, batch_size:int, device=None) -> tuple: # (h, c), each (B, d_hidden) zeros
-        z = torch.zeros(batch_size, self.d_out, device=device or self.cell.weight_ih.device)
-        return (z, z.clone())
+    def init_state(self, batch_size:int, device=None) -> tuple: # n_state (B, d_out) zero tensors
+        w = self.cell.weight_ih
+        return tuple(torch.zeros(batch_size, self.d_out, device=device or w.device, dtype=w.dtype) for _ in range(self.n_state))
+
+    def step(self, x:Tensor, state:tuple) -> tuple: return (self.cell(x, state[0]),)   # one step: (B, d_in), state -> state
 
     def forward(self, x:Tensor, # (B, T, d_in) observation embeddings
                 first:Tensor, # (B, T) bool: True at an episode's first step
-                state:tuple # (h, c) from `init_state` or the previous call
-               ) -> tuple: # (y (B, T, d_hidden), (h, c) detached)
-        "Run the LSTM through T steps; a stream's state restarts from zero at each of its `first` steps."
+                state:tuple # from `init_state` or the previous call
+               ) -> tuple: # (y (B, T, d_out): the first tensor of the state after each step, the state detached)
+        "Run the cell through T steps; a stream's state restarts from zero at each of its `first` steps."
         B = check_core_inputs(x, first, self.d_in)[0]
         if state is None: state = self.init_state(B, x.device)
-        h, c = state
-        if h.shape != (B, self.d_out) or c.shape != (B, self.d_out):
-            raise ValueError(f"state holds (h, c) of shapes {tuple(h.shape)}, {tuple(c.shape)} but the inputs have batch {B} and the core "
-                             f"width {self.d_out}: pass state=None or core.init_state({B}).")
+        if len(state) != self.n_state or any(s.shape != (B, self.d_out) for s in state):
+            raise ValueError(f"state holds tensors of shapes {[tuple(s.shape) for s in state]} but the inputs have batch {B} and the core "
+                             f"width {self.d_out} ({self.n_state} of shape ({B}, {self.d_out})): pass state=None or core.init_state({B}).")
         keep = (~first).to(x.dtype)[..., None]                # (B, T, 1): 0 at an episode's first step
         ys = []
         for t in range(x.shape[1]):
-            h, c = self.cell(x[:, t], (h * keep[:, t], c * keep[:, t]))   # (B, d_hidden) each
-            ys.append(h)
-        return torch.stack(ys, 1), (h.detach(), c.detach())   # (B, T, d_hidden)
+            state = self.step(x[:, t], tuple(s * keep[:, t] for s in state))   # (B, d_out) each
+            ys.append(state[0])
+        return torch.stack(ys, 1), tuple(s.detach() for s in state)   # (B, T, d_out)
+
+class LSTMCore(RecurrentCore):
+    "IMPALA's core: an LSTM run step by step, its state (h, c) zeroed at each episode's first step."
+    n_state = 2
+    def __init__(self, d_in:int, # width of the observation embeddings
+                 d_hidden:int, # LSTM width = d_out
+                 forget_bias:float=0. # added to the forget gate's bias at initialisation: IMPALA's TensorFlow LSTM adds 1, PyTorch's nothing
+                ):
+        super().__init__(nn.LSTMCell(d_in, d_hidden))
+        with torch.no_grad(): self.cell.bias_ih[d_hidden:2 * d_hidden] += forget_bias   # PyTorch's gate order: input, forget, cell, output
+
+    def step(self, x:Tensor, state:tuple) -> tuple: return self.cell(x, state)        # (h, c)
+
+class GRUCore(RecurrentCore):
+    "A GRU run step by step, its state (h,) zeroed at each episode's first step: the recurrent baseline of later memory benchmarks."
+    def __init__(self, d_in:int, # width of the observation embeddings
+                 d_hidden:int # GRU width = d_out
+                ):
+        super().__init__(nn.GRUCell(d_in, d_hidden))
+
 
 # %% ../nbs/12_rl.ipynb #5f6a53cf
 class FeedForwardCore(nn.Module):
@@ -498,7 +519,7 @@ class AgentOutput(NamedTuple):
     values:Tensor   # (B, T) baseline V(x_t)
     state:Any       # the core's state after the last step
 
-CORES = {'lstm': LSTMCore, 'none': FeedForwardCore}   # the core kinds `Agent` can build: name -> class(d_in, d_out, **core_kwargs)
+CORES = {'lstm': LSTMCore, 'gru': GRUCore, 'none': FeedForwardCore}   # the core kinds `Agent` can build: name -> class(d_in, d_out, **core_kwargs)
 
 class Agent(nn.Module):
     "IMPALA's network: observation encoder, a memory core, and linear policy and baseline heads."
