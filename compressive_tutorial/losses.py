@@ -8,7 +8,7 @@ __all__ = ['content_attention', 'attention_reconstruction_loss', 'projected_reco
            'compress_evicted', 'check_compression_setup']
 
 # %% ../nbs/04_compression_losses.ipynb #32d6acc4
-import math
+import math, numbers
 from enum import Enum
 import torch
 import torch.nn as nn
@@ -117,10 +117,11 @@ class ConvTransposeDecoder(nn.Module):
                  c:int, # compression rate to undo: each compressed slot becomes c memories
                 ):
         super().__init__()
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1:
             raise ValueError(f"compression rate c must be a positive int, got {c!r}")
-        if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
+        if isinstance(d_model, bool) or not isinstance(d_model, numbers.Integral) or d_model < 1:
             raise ValueError(f"d_model must be a positive int (the memories' width), got {d_model!r}")
+        d_model, c = int(d_model), int(c)                               # (numpy integers too)
         self.d_model, self.c = d_model, c
         self.deconv = nn.ConvTranspose1d(d_model, d_model, kernel_size=c, stride=c)
 

@@ -10,7 +10,7 @@ __all__ = ['PRECISIONS', 'DEVICES', 'LN2', 'PRECISION_NOTES', 'TrainConfig', 'lr
            'seed_everything', 'top_k_filter', 'top_p_filter', 'sample_next', 'sample']
 
 # %% ../nbs/06_training.ipynb #df0e3126
-import contextlib, inspect, itertools, math, os, platform, random, time, warnings
+import contextlib, inspect, itertools, math, numbers, os, platform, random, time, warnings
 from dataclasses import dataclass, asdict
 from pathlib import Path
 import numpy as np
@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch import Tensor
 from tqdm import tqdm
 from .data import word_perplexity
+from .xl import plain_ints
 from .checkpoint import (   # built and tested in the appendix (notebook 90)
     flatten_tree, unflatten_tree, rng_state, set_rng_state, previous_checkpoint, save_checkpoint, load_checkpoint,
     model_meta, check_model, _set_weights, CheckpointError, NonFiniteError, TrainingInterrupted, StopSignals, RunFolderBusy, folder_lock)
@@ -62,11 +63,16 @@ class TrainConfig:
     def __post_init__(self):
         self.betas = tuple(self.betas)
         ints = ('warmup_steps', 'decay_steps', 'update_every', 'update_every_after', 'log_every', 'eval_every', 'ckpt_every')
+        floats = ('lr_min', 'lr_max', 'eps', 'compression_lr_scale', 'weight_decay', 'clip_norm', 'ckpt_minutes')
+        plain_ints(self, ints + ('eval_batches',))                       # numpy numbers (a sweep's np.arange, np.geomspace) as Python's:
+        for name in floats:                                              # the config is saved as JSON, which takes no np.float32
+            v = getattr(self, name)
+            if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)): setattr(self, name, float(v))
         for name in ints + ('eval_batches',):
             v = getattr(self, name)
             if (v is not None or name != 'eval_batches') and (isinstance(v, bool) or not isinstance(v, int)):
                 raise TypeError(f"TrainConfig.{name}={v!r} must be an int (a number of iterations/windows).")
-        for name in ('lr_min', 'lr_max', 'eps', 'compression_lr_scale', 'weight_decay', 'clip_norm', 'ckpt_minutes'):
+        for name in floats:
             v = getattr(self, name)                                      # (a YAML or JSON config may hold '1e-3', a string)
             if (v is not None or name != 'clip_norm') and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise TypeError(f"TrainConfig.{name}={v!r} must be a number, not {type(v).__name__}.")
