@@ -319,10 +319,10 @@ class RecurrentCore(nn.Module):
         if len(state) != self.n_state or any(s.shape != (B, self.d_out) for s in state):
             raise ValueError(f"state holds tensors of shapes {[tuple(s.shape) for s in state]} but the inputs have batch {B} and the core "
                              f"width {self.d_out} ({self.n_state} of shape ({B}, {self.d_out})): pass state=None or core.init_state({B}).")
-        keep = (~first).to(x.dtype)[..., None]                # (B, T, 1): 0 at an episode's first step
+        start = first[..., None]                              # (B, T, 1): True at an episode's first step
         ys = []
         for t in range(x.shape[1]):
-            state = self.step(x[:, t], tuple(s * keep[:, t] for s in state))   # (B, d_out) each
+            state = self.step(x[:, t], tuple(s.masked_fill(start[:, t], 0.) for s in state))   # (B, d_out) each: zero, not times 0 (NaN * 0 is NaN)
             ys.append(state[0])
         return torch.stack(ys, 1), tuple(s.detach() for s in state)   # (B, T, d_out)
 
