@@ -161,30 +161,32 @@ class DelayCurriculum:
 
 # %% ../nbs/12_rl.ipynb #2b9605ef
 class MiniGridMemory(gym.Wrapper):
-    "MiniGrid's Memory task as a flat integer observation (MultiDiscrete: the view's cells, then the direction) and 3 actions."
+    "MiniGrid's Memory task as a flat integer observation (MultiDiscrete: the view's cells, the direction, and optionally the last action) and 3 actions."
     chance = 0.5                                     # an agent that reaches the choice but forgot the object
     actions = ('left', 'right', 'forward')           # MiniGrid's actions 0, 1, 2
 
     def __init__(self, env:gym.Env, # a MiniGrid Memory environment (`minigrid.envs.MemoryEnv`)
-                 start_in_room:bool=False # True: every episode starts in the room, next to the object and facing the hallway
+                 start_in_room:bool=False, # True: every episode starts in the room, next to the object and facing the hallway
+                 last_action:bool=False # True: the observation ends with the action just taken (len(actions) at an episode's start), as IMPALA's agent is given
                 ):
         super().__init__(env)
-        self.start_in_room = start_in_room
+        self.start_in_room, self.last_action = start_in_room, last_action
         from minigrid.core.constants import OBJECT_TO_IDX, COLOR_TO_IDX, STATE_TO_IDX
         shape = env.observation_space['image'].shape
         if len(shape) != 3 or shape[0] != shape[1] or shape[2] != 3:
             raise ValueError(f"MiniGridMemory expects an image observation (v, v, 3), got {shape}.")
         self.view = shape[0]
         cell = [len(OBJECT_TO_IDX), len(COLOR_TO_IDX), len(STATE_TO_IDX)]
-        self.observation_space = spaces.MultiDiscrete(np.array(cell * self.view ** 2 + [4]))   # (v*v*3 + 1,)
+        last = [len(self.actions) + 1] if last_action else []       # the actions, and "none yet"
+        self.observation_space = spaces.MultiDiscrete(np.array(cell * self.view ** 2 + [4] + last))   # (v*v*3 + 1 (+ 1),)
         self.action_space = spaces.Discrete(len(self.actions))
 
-    def _flat(self, obs:dict) -> np.ndarray: # (v*v*3 + 1,) int64
+    def _flat(self, obs:dict, action:int) -> np.ndarray: # (v*v*3 + 1 (+ 1),) int64
         img = np.asarray(obs['image'])
         if img.shape != (self.view, self.view, 3):
             raise ValueError(f"the inner environment returned an image of shape {img.shape}, expected {(self.view, self.view, 3)}: "
                              "do not change agent_view_size after wrapping.")
-        return np.concatenate([img.reshape(-1), [obs['direction']]]).astype(np.int64)
+        return np.concatenate([img.reshape(-1), [obs['direction']]] + ([[action]] if self.last_action else [])).astype(np.int64)
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
@@ -192,18 +194,19 @@ class MiniGridMemory(gym.Wrapper):
             u = self.env.unwrapped
             u.agent_pos, u.agent_dir = np.array((1, u.height // 2)), 0
             obs = u.gen_obs()
-        return self._flat(obs), info
+        return self._flat(obs, len(self.actions)), info
 
     def step(self, action):
         a = check_action(action, len(self.actions))
         obs, r, term, trunc, info = self.env.step(a)
-        return self._flat(obs), check_reward(r, 'MiniGrid'), term, trunc, info
+        return self._flat(obs, a), check_reward(r, 'MiniGrid'), term, trunc, info
 
 def make_minigrid_memory(size:int=7, # the grid is size x size; odd, >= 7 (MiniGrid registers 7, 9, 11, 13, 17)
                          view:int=3, # agent_view_size: the agent sees view x view cells; odd, >= 3
                          random_length:bool=False, # hallway of random length (MiniGrid's S13Random, S17Random)
                          max_steps:int|None=None, # time limit; None = MiniGrid's 5 * size**2
-                         start_in_room:bool=False # True: start beside the object (a departure: no need to go back and look)
+                         start_in_room:bool=False, # True: start beside the object (a departure: no need to go back and look)
+                         last_action:bool=False # True: the observation also holds the last action (IMPALA gives its agent the last action and reward)
                         ) -> gym.Env:
     "MiniGrid's Memory task with a small view, wrapped by `MiniGridMemory`."
     try: from minigrid.envs import MemoryEnv
@@ -211,7 +214,7 @@ def make_minigrid_memory(size:int=7, # the grid is size x size; odd, >= 7 (MiniG
     if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 7 or size % 2 == 0: raise ValueError(f"size={size!r} must be an odd int >= 7.")
     if isinstance(view, bool) or not isinstance(view, numbers.Integral) or view < 3 or view % 2 == 0: raise ValueError(f"view={view!r} must be an odd int >= 3.")
     size, view = int(size), int(view)                                  # (numpy integers too, e.g. from np.arange)
-    return MiniGridMemory(MemoryEnv(size=size, random_length=random_length, max_steps=max_steps, agent_view_size=view), start_in_room)
+    return MiniGridMemory(MemoryEnv(size=size, random_length=random_length, max_steps=max_steps, agent_view_size=view), start_in_room, last_action)
 
 MINIGRID_ID = 'compressive_tutorial/MiniGridMemory-v0'
 if MINIGRID_ID not in gym.registry: gym.register(MINIGRID_ID, entry_point=make_minigrid_memory)
@@ -298,7 +301,7 @@ class RecurrentCore(nn.Module):
     "A recurrent cell run step by step, its state (a tuple of (B, d_out) tensors) zeroed at each episode's first step."
     n_state = 1                                               # tensors in the state: (h,), or (h, c) for an LSTM
 
-    def __init__(self, cell:nn.Module # an `nn.LSTMCell` or `nn.GRUCell`: its input width is d_in, its hidden width d_out
+    def __init__(self, cell:nn.Module # a cell of one state tensor (`nn.GRUCell`, `nn.RNNCell`; `LSTMCore` for `nn.LSTMCell`): its input width is d_in, its hidden width d_out
                 ):
         super().__init__()
         self.d_in, self.d_out, self.cell = cell.input_size, cell.hidden_size, cell
@@ -316,9 +319,12 @@ class RecurrentCore(nn.Module):
         "Run the cell through T steps; a stream's state restarts from zero at each of its `first` steps."
         B = check_core_inputs(x, first, self.d_in)[0]
         if state is None: state = self.init_state(B, x.device)
-        if len(state) != self.n_state or any(s.shape != (B, self.d_out) for s in state):
+        if len(state) != self.n_state:
+            raise ValueError(f"state holds {len(state)} tensors but this core's state has {self.n_state} (another core's state?): "
+                             f"pass state=None or core.init_state({B}).")
+        if any(s.shape != (B, self.d_out) for s in state):
             raise ValueError(f"state holds tensors of shapes {[tuple(s.shape) for s in state]} but the inputs have batch {B} and the core "
-                             f"width {self.d_out} ({self.n_state} of shape ({B}, {self.d_out})): pass state=None or core.init_state({B}).")
+                             f"width {self.d_out}: pass state=None or core.init_state({B}).")
         start = first[..., None]                              # (B, T, 1): True at an episode's first step
         ys = []
         for t in range(x.shape[1]):
