@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
-from .data import Batch
+from .data import Batch, check_int
 from .model import AttentionRecord, CompressiveTransformer, ct_temporal_range, held_memory, layer_compression_loss
 from .losses import CompressionLoss
 from .train import evaluate
@@ -25,8 +25,7 @@ def bucket_slices(n:int, # slots in the segment
                   n_buckets:int=6 # buckets per segment
                  ) -> list: # n_buckets arrays of slot indices, oldest first; the first n % n_buckets get one more slot
     "Split the slot indices 0..n-1 of one segment into contiguous buckets (`np.array_split`; empty buckets if n < n_buckets)."
-    if isinstance(n_buckets, bool) or not isinstance(n_buckets, int) or n_buckets < 1:
-        raise ValueError(f"n_buckets={n_buckets!r} must be a positive int (the paper uses 6 per segment).")
+    n_buckets = check_int(n_buckets, 'n_buckets', hint=' (the paper uses 6 per segment)')
     if n < 0: raise ValueError(f"a segment cannot have n={n} < 0 slots.")
     return np.array_split(np.arange(n), n_buckets)
 
@@ -145,8 +144,7 @@ class AttentionBuckets:
 def _check_recordable(model, n_windows:int):
     if not hasattr(model, 'record_attention'):
         raise TypeError(f"{type(model).__name__} cannot record its attention: use a CompressiveTransformer (notebook 05).")
-    if isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1:
-        raise ValueError(f"n_windows={n_windows!r} must be a positive int.")
+    n_windows = check_int(n_windows, 'n_windows')
 
 def _check_window(model, x:Tensor):
     "Each record is one whole window: the loader's windows must be the model's n_s long."
@@ -467,7 +465,7 @@ def eval_across_memory_sizes(model:CompressiveTransformer, # a trained Compressi
     if not chosen:                                                        # the model's windows until the largest size is full,
         L = getattr(loader, 'n_s', None) or next(iter(loader)).x.shape[1]   # in the loader's windows (of L steps each)
         skip = -(-warmup_windows(model.cfg.n_s, n_m, max(n_cm_values), c) * model.cfg.n_s // L)
-    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0: raise ValueError(f"skip={skip!r} must be an int >= 0 (windows read but not scored)")
+    skip = check_int(skip, 'skip', 0, ' (windows read but not scored)')
     n = [k for k in (max_batches, len(loader) if hasattr(loader, '__len__') else None) if k is not None]
     read = min(n) if n else None                                          # windows each evaluation reads, where known
     if read is not None and skip >= read:

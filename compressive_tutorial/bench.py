@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from .data import check_int
 from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer
 from .losses import CompressionLoss
@@ -48,12 +49,9 @@ class BenchConfig:
     reference:str = 'lucidrains-ct'   # the ratios are taken against this one (if it does not run: the first that does)
 
     def __post_init__(self):
-        for name, lo in (('batch_size', 1), ('steps', 1), ('reps', 1), ('warmup', 0), ('threads', 1)):
-            v = getattr(self, name)
-            if v is None and name in ('threads', 'warmup'): continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"BenchConfig.{name}={v!r} must be {'an int >= 0' if lo == 0 else 'a positive int'}"
-                                 f"{' (or None: torch chooses)' if name == 'threads' else ''}")
+        sizes = [(n, 1, None) for n in ('vocab_size', 'n_layers', 'd_model', 'n_heads', 'd_ff', 'n_s', 'c', 'batch_size', 'steps', 'reps')]
+        for name, lo, none in sizes + [('n_m', 0, None), ('n_cm', 0, None), ('warmup', 0, 'just enough to fill the memories'), ('threads', 1, 'torch chooses')]:
+            setattr(self, name, check_int(getattr(self, name), f'BenchConfig.{name}', lo, none=none))   # (numpy integers stored as ints)
         if self.dtype not in ('float32', 'bfloat16', 'float16'):
             raise ValueError(f"BenchConfig.dtype={self.dtype}: use float32, bfloat16 or float16")
         if not re.fullmatch(DEVICES, self.device):

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 from .data import (
-    SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, download_file, encode_documents, load_books, load_enwik8, read_text)
+    SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, check_int, download_file, encode_documents, load_books, load_enwik8, read_text)
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
 from .train import (
@@ -96,11 +96,9 @@ class RunConfig:
     compile:bool = False          # torch.compile every layer (`compile_layers`): faster training on a GPU, slower on a CPU
 
     def __post_init__(self):
-        for name in ('batch_size', 'steps', 'eval_batch_size', 'valid_batches', 'seed', 'threads'):
-            v = getattr(self, name)
-            if v is None and name in ('valid_batches', 'threads'): continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == 'seed' else 1):
-                raise ValueError(f"RunConfig.{name}={v!r} must be {'an int >= 0' if name == 'seed' else 'a positive int'}.")
+        for name, none in (('batch_size', None), ('steps', None), ('eval_batch_size', None), ('valid_batches', 'the whole split'),
+                           ('seed', None), ('threads', "torch's default")):
+            setattr(self, name, check_int(getattr(self, name), f'RunConfig.{name}', 0 if name == 'seed' else 1, none=none))
         if not re.fullmatch('auto|' + DEVICES, self.device):         # whether this machine has it: `_device`, when a command runs
             raise ValueError(f"RunConfig.device={self.device!r} is not a device `ct` runs on: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'.")
         if not isinstance(self.compile, bool): raise ValueError(f"RunConfig.compile={self.compile!r} must be true or false.")

@@ -7,11 +7,11 @@ __all__ = ['COMPRESSORS', 'check_divisible', 'Compressor', 'MaxPool', 'MeanPool'
            'attention_usage', 'most_used_indices', 'MostUsed', 'make_compressor']
 
 # %% ../nbs/03_compression.ipynb #66b4e932
-import numbers
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from .data import check_int
 from .attention import has_hooks, weights_key
 
 # %% ../nbs/03_compression.ipynb #236d2512
@@ -20,7 +20,7 @@ def check_divisible(n:int, # number of memories to compress (the window n_s, in 
                     what:str='old memories' # what the n things are, for the error message
                    ):
     "Raise a `ValueError` that says which sizes to change unless `c` divides `n`."
-    if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1: raise ValueError(f"the compression rate c={c!r} must be a positive int.")
+    c = check_int(c, 'the compression rate c')
     if n % c == 0: return
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     lo, hi = (n // c) * c, (n // c + 1) * c
@@ -40,11 +40,8 @@ class Compressor(nn.Module):
                  c:int, # compression rate: n memories become n/c
                 ):
         super().__init__()
-        if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1:
-            raise ValueError(f"compression rate c must be a positive int (1 keeps every memory), got {c!r}")
-        if isinstance(d_model, bool) or not isinstance(d_model, numbers.Integral) or d_model < 1:
-            raise ValueError(f"d_model must be a positive int (the width of the memories), got {d_model!r}")
-        self.d_model, self.c = int(d_model), int(c)                    # (numpy integers too, e.g. from np.arange)
+        self.c = check_int(c, 'the compression rate c', hint=' (1 keeps every memory)')   # (numpy integers too, stored as ints)
+        self.d_model = check_int(d_model, 'd_model', hint=' (the width of the memories)')
 
     @property
     def learnable(self)->bool:

@@ -5,15 +5,16 @@
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'ENWIK8_URL', 'ENWIK8_SIZE', 'ENWIK8_MD5', 'SPLITS', 'WIKITEXT103_PARQUET', 'PG19_PARQUET',
            'PG19_WORDS', 'PG19_BOOKS', 'BOOKS_COLUMNS', 'BOOKS_SOURCES', 'GITENBERG_FILES', 'NLTK_GUTENBERG_ZIP',
-           'DEBIAN_MIRRORS', 'BIBLE_DEBS', 'ByteTokenizer', 'Document', 'Corpus', 'encode_documents', 'repo_root',
-           'data_cache_dir', 'find_shared_data', 'file_digest', 'verify_file', 'download_file', 'get_enwik8',
-           'load_enwik8', 'strip_gutenberg', 'read_text', 'hash_split', 'read_split_table', 'load_books', 'count_words',
-           'split_table', 'load_wikitext103', 'load_pg19', 'SubwordTokenizer', 'train_sentencepiece', 'sample_lines',
-           'word_perplexity', 'Batch', 'StreamLoader', 'plot_stream_layout', 'fixture_download', 'books_sources_tsv',
-           'book_source', 'sha256_file', 'verify_sha256', 'extract_deb', 'fetch_books', 'books_folder']
+           'DEBIAN_MIRRORS', 'BIBLE_DEBS', 'check_int', 'ByteTokenizer', 'Document', 'Corpus', 'encode_documents',
+           'repo_root', 'data_cache_dir', 'find_shared_data', 'file_digest', 'verify_file', 'download_file',
+           'get_enwik8', 'load_enwik8', 'strip_gutenberg', 'read_text', 'hash_split', 'read_split_table', 'load_books',
+           'count_words', 'split_table', 'load_wikitext103', 'load_pg19', 'SubwordTokenizer', 'train_sentencepiece',
+           'sample_lines', 'word_perplexity', 'Batch', 'StreamLoader', 'plot_stream_layout', 'fixture_download',
+           'books_sources_tsv', 'book_source', 'sha256_file', 'verify_sha256', 'extract_deb', 'fetch_books',
+           'books_folder']
 
 # %% ../nbs/00_data.ipynb #dd36864d
-import codecs, csv, hashlib, io, itertools, math, os, random, re, urllib.request, warnings, zipfile, zlib
+import codecs, csv, hashlib, io, itertools, math, numbers, os, random, re, urllib.request, warnings, zipfile, zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -21,6 +22,20 @@ import numpy as np
 import torch
 from torch import Tensor
 from tqdm import tqdm
+
+# %% ../nbs/00_data.ipynb #s28int2
+def check_int(v, # the value given
+              name:str, # how the error names it, e.g. 'XLConfig.n_m'
+              lo:int=1, # the least value allowed
+              hint:str='', # appended to the error: what the value means, or how to fix it
+              none:str|None=None # when given, None is allowed too and this says what it means (e.g. 'the whole split')
+             ) -> int|None: # `v` as a Python int (None when it was None and that is allowed)
+    "A count checked: an integer (Python's or numpy's, never a bool) >= `lo`, returned as a Python int; otherwise a ValueError that names it."
+    if v is None and none is not None: return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+        alt = '' if none is None else f' (or None: {none})'
+        raise ValueError(f"{name}={v!r} must be {'a positive int' if lo == 1 else f'an int >= {lo}'}{alt}{hint}.")
+    return int(v)
 
 # %% ../nbs/00_data.ipynb #35a8ceb3
 IGNORE_INDEX = -100  # target id meaning "no target here" (PyTorch's cross-entropy default ignore_index)
@@ -498,7 +513,7 @@ def train_sentencepiece(texts, # training text: a str, or a list of str / `Docum
     "Train a lossless (identity-normalised, byte-fallback) sentencepiece model in memory: the same texts, size and seed give the same vocabulary in any process."
     import sentencepiece as spm
     if isinstance(texts, (str, Document)): texts = [texts]
-    if isinstance(max_lines, bool) or not isinstance(max_lines, int) or max_lines < 0: raise ValueError(f'max_lines={max_lines!r} must be an int >= 0 (0: all lines)')
+    max_lines = check_int(max_lines, 'max_lines', 0, ' (0: all lines)')
     lines = (l for t in texts for l in (t.text if isinstance(t, Document) else t).split('\n') if l.strip())   # a stream: no copy of the corpus
     first = next(lines, None)
     if first is None: raise ValueError('empty corpus: no text to train the subword vocabulary on')
@@ -561,9 +576,7 @@ class StreamLoader:
                 ):
         if isinstance(data, Corpus): tokens, doc_starts = data.tokens, data.doc_starts if doc_starts is None else doc_starts
         else: tokens = data.cpu().numpy() if isinstance(data, Tensor) else np.asarray(data)
-        for name, v in (('batch_size', batch_size), ('n_s', n_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f'{name} must be a positive integer, got {v!r}')
+        batch_size, n_s = check_int(batch_size, 'batch_size'), check_int(n_s, 'n_s')
         if tail not in ('pad', 'drop'): raise ValueError(f"tail must be 'pad' or 'drop', got {tail!r}")
         if tokens.ndim != 1: raise ValueError(f'tokens must be 1-D, got shape {tokens.shape}')
         N, B = len(tokens), int(batch_size)

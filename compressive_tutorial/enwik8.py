@@ -13,7 +13,7 @@ from dataclasses import dataclass, asdict, replace
 from pathlib import Path
 import numpy as np
 import torch
-from .data import ENWIK8_URL, Batch, StreamLoader, data_cache_dir, fixture_download
+from .data import ENWIK8_URL, Batch, StreamLoader, check_int, data_cache_dir, fixture_download
 from .checkpoint import IMPL_FIELDS, write_atomic
 from .model import CTConfig, build_model, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
@@ -55,9 +55,8 @@ class Enwik8Preset:
     seed:int = 0
 
     def __post_init__(self):
-        if isinstance(self.ckpt_every, bool) or not isinstance(self.ckpt_every, int) or self.ckpt_every < 1:   # (TrainConfig's 0, "by time only", is not a chunk)
-            raise ValueError(f"Enwik8Preset.ckpt_every={self.ckpt_every!r} must be a positive int: `train_protocol` trains in chunks of "
-                             "ckpt_every iterations and checkpoints after each")
+        object.__setattr__(self, 'ckpt_every', check_int(self.ckpt_every, 'Enwik8Preset.ckpt_every', hint=': `train_protocol` trains in chunks of ckpt_every '   # (TrainConfig's 0,
+                                    'iterations and checkpoints after each'))                                                    # "by time only", is not a chunk)
 
     def model_config(self) -> CTConfig:
         "The Compressive Transformer of this preset: conv f_c trained by the attention-reconstruction loss."

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 from .checkpoint import write_atomic
-from .data import Corpus, StreamLoader, encode_documents, load_books
+from .data import Corpus, StreamLoader, check_int, encode_documents, load_books
 from .xl import XLConfig
 from .model import CTConfig, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
@@ -120,8 +120,8 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
     if not isinstance(train_cfg, TrainConfig): raise TypeError(f"train_cfg must be a TrainConfig, got {type(train_cfg).__name__}")
     for s in ('train', 'valid', 'test'):
         if not isinstance(data[s], Corpus): raise TypeError(f"data[{s!r}] is a {type(data[s]).__name__}, not a Corpus: build one with encode_documents(docs) (notebook 00)")
-    for k, v in (('steps', steps), ('batch_size', batch_size), ('eval_windows', eval_windows), ('eval_batch_size', eval_batch_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{k}={v!r} must be a positive int")
+    steps, batch_size, eval_windows, eval_batch_size = (check_int(v, k) for k, v in (('steps', steps), ('batch_size', batch_size),
+                                                        ('eval_windows', eval_windows), ('eval_batch_size', eval_batch_size)))
     build_model(model_kind, cfg)                                                      # checks kind and config before any work
     unroll = windows_per_call(cfg)                                                    # §5.2: BPTT unrolls 2 windows, B/2 streams
     if batch_size % unroll: raise ValueError(f"compression_loss='bptt' trains on batch_size/2 streams of 2*n_s tokens: batch_size={batch_size} must be even")

@@ -8,12 +8,13 @@ __all__ = ['content_attention', 'attention_reconstruction_loss', 'projected_reco
            'compress_evicted', 'check_compression_setup']
 
 # %% ../nbs/04_compression_losses.ipynb #32d6acc4
-import math, numbers
+import math
 from enum import Enum
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from .data import check_int
 from .attention import _func_transforms_active
 from .compress import COMPRESSORS, Compressor
 
@@ -117,11 +118,8 @@ class ConvTransposeDecoder(nn.Module):
                  c:int, # compression rate to undo: each compressed slot becomes c memories
                 ):
         super().__init__()
-        if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1:
-            raise ValueError(f"compression rate c must be a positive int, got {c!r}")
-        if isinstance(d_model, bool) or not isinstance(d_model, numbers.Integral) or d_model < 1:
-            raise ValueError(f"d_model must be a positive int (the memories' width), got {d_model!r}")
-        d_model, c = int(d_model), int(c)                               # (numpy integers too)
+        c = check_int(c, 'the compression rate c')                     # (numpy integers too, as ints)
+        d_model = check_int(d_model, 'd_model', hint=" (the memories' width)")
         self.d_model, self.c = d_model, c
         self.deconv = nn.ConvTranspose1d(d_model, d_model, kernel_size=c, stride=c)
 

@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .xl import XLConfig, plain_ints, Memory, empty_memory, fifo_push, memory_push, visible_after, mask_memory, XLLayer, TransformerXL, lm_loss, reach_from_visibility
+from .data import check_int
+from .xl import XLConfig, Memory, empty_memory, fifo_push, memory_push, visible_after, mask_memory, XLLayer, TransformerXL, lm_loss, reach_from_visibility
 from .compress import COMPRESSORS, make_compressor, check_divisible, attention_usage
 from .losses import CompressionLoss, make_decoder, compression_loss, check_compression_setup, projected_reconstruction_loss
 
@@ -31,11 +32,8 @@ class CTConfig(XLConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        plain_ints(self, ('n_cm', 'c'))
-        if isinstance(self.n_cm, bool) or not isinstance(self.n_cm, int) or self.n_cm < 0:
-            raise ValueError(f"n_cm={self.n_cm!r} must be an int >= 0 (0 = no compressed memory: a Transformer-XL).")
-        if isinstance(self.c, bool) or not isinstance(self.c, int) or self.c < 1:
-            raise ValueError(f"c={self.c!r} must be a positive int (the compression rate; 1 = no compression).")
+        self.n_cm = check_int(self.n_cm, 'n_cm', 0, ' (0 = no compressed memory: a Transformer-XL)')   # (numpy integers as ints)
+        self.c = check_int(self.c, 'c', hint=' (the compression rate; 1 = no compression)')
         if self.compression not in COMPRESSORS:
             raise ValueError(f"compression={self.compression!r} is unknown: choose one of {list(COMPRESSORS)}.")
         try: self.compression_loss = CompressionLoss(self.compression_loss).value

@@ -28,6 +28,7 @@ import gymnasium as gym
 from gymnasium import spaces
 from gymnasium.vector import SyncVectorEnv, AutoresetMode
 from tqdm import tqdm
+from .data import check_int
 from .xl import XLConfig, TransformerXL, xl_equivalent_mask, episode_reference, reachability
 from .model import CTConfig, CompressiveTransformer, ct_visibility_mask
 from .train import hardware, make_adam, load_optimizer_state
@@ -64,11 +65,9 @@ class DelayedNonMatchEnv(gym.Env):
                  d_min:int=1, # fewest delay steps D in an episode
                  d_max:int=8, # most delay steps D (the curriculum moves it with `set_delay`)
                  render_mode:str|None=None): # 'ansi': `render()` returns the episode so far as text
-        for name, v, lo in (('n_objects', n_objects, 2), ('n_distractors', n_distractors, 1)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-                raise ValueError(f"{name}={v!r} must be an int >= {lo}.")
+        self.n_objects, self.n_distractors = check_int(n_objects, 'n_objects', 2), check_int(n_distractors, 'n_distractors')
         if render_mode not in (None, 'ansi'): raise ValueError(f"render_mode={render_mode!r}: only None or 'ansi'.")
-        self.n_objects, self.n_distractors, self.render_mode = int(n_objects), int(n_distractors), render_mode
+        self.render_mode = render_mode
         self.set_delay(d_min, d_max)
         V = 1 + self.n_objects + self.n_distractors                # 0 = nothing shown
         self.observation_space = spaces.MultiDiscrete([V, V, V])   # (centre, left, right)
@@ -79,10 +78,9 @@ class DelayedNonMatchEnv(gym.Env):
                   d_max:int # most delay steps
                  ):
         "Draw D uniformly in [d_min, d_max] from the next episode on."
-        for name, v in (('d_min', d_min), ('d_max', d_max)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0: raise ValueError(f"{name}={v!r} must be an int >= 0.")
+        d_min, d_max = check_int(d_min, 'd_min', 0), check_int(d_max, 'd_max', 0)
         if d_min > d_max: raise ValueError(f"d_min={d_min} > d_max={d_max}: the delay range is empty; swap them.")
-        self.d_min, self.d_max = int(d_min), int(d_max)
+        self.d_min, self.d_max = d_min, d_max
 
     def reset(self, *, seed:int|None=None, options:dict|None=None):
         "Start an episode: draw D, the cue, the other object and their sides. `options={'delay': D}` fixes D."
@@ -225,8 +223,7 @@ def make_envs(env_id:str, # a registered id: `NONMATCH_ID`, `MINIGRID_ID`, or an
               **kwargs # passed to every `gym.make(env_id, ...)`, e.g. d_min=1, d_max=8 or size=9
              ) -> SyncVectorEnv:
     "B copies of an environment stepped together; a finished episode restarts within the same step (SAME_STEP autoreset)."
-    if isinstance(num_envs, bool) or not isinstance(num_envs, numbers.Integral) or num_envs < 1: raise ValueError(f"num_envs={num_envs!r} must be a positive int.")
-    num_envs = int(num_envs)
+    num_envs = check_int(num_envs, 'num_envs')
     envs = SyncVectorEnv([lambda: gym.make(env_id, **kwargs) for _ in range(num_envs)], autoreset_mode=AutoresetMode.SAME_STEP)
     space = envs.single_observation_space
     if not isinstance(space, spaces.MultiDiscrete) or len(space.shape) != 1:
@@ -632,7 +629,7 @@ class PolicyLag:
     def __init__(self, agent:nn.Module, # the learner's agent
                  lag:int # updates by which the actor's weights trail the learner's; 0 = on-policy
                 ):
-        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0: raise ValueError(f"lag={lag!r} must be an int >= 0.")
+        lag = check_int(lag, 'lag', 0, ' (0 = on-policy)')
         self.lag, self.snapshots = lag, deque(maxlen=lag + 1)
         self.push(agent)
 
@@ -733,10 +730,9 @@ class RLConfig:
     progress:bool = True           # a tqdm progress bar with success rate, frames/s and the importance weights
 
     def __post_init__(self):
-        for name in ('d_model', 'num_envs', 'unroll', 'updates', 'log_every'):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1: raise ValueError(f"RLConfig.{name}={v!r} must be a positive int.")
-            setattr(self, name, int(v))                                  # numpy integers too; the config is saved as JSON
+        for name, lo in (('d_model', 1), ('num_envs', 1), ('unroll', 1), ('updates', 1), ('log_every', 1), ('lag', 0), ('ckpt_every', 0), ('seed', 0)):
+            setattr(self, name, check_int(getattr(self, name), f'RLConfig.{name}', lo))   # numpy integers too; the config is saved as JSON
+        self.threads = check_int(self.threads, 'RLConfig.threads', none='leave as is')
         if not 0 <= self.gamma <= 1: raise ValueError(f"RLConfig.gamma={self.gamma} must be in [0, 1].")
         if not self.rho_bar >= self.c_bar > 0: raise ValueError(f"RLConfig needs rho_bar >= c_bar > 0, got {self.rho_bar}, {self.c_bar}.")
         for name in ('lr', 'max_grad_norm'):
@@ -936,8 +932,7 @@ def evaluate_agent(agent:Agent, # a trained agent
                    **env_kwargs # for gym.make, e.g. d_min=D, d_max=D for one delay
                   ) -> float: # success rate
     "Success rate of the agent's policy over num_envs * episodes_per_env fresh episodes, after one uncounted warm-up episode each."
-    if isinstance(episodes_per_env, bool) or not isinstance(episodes_per_env, numbers.Integral) or episodes_per_env < 1:
-        raise ValueError(f"episodes_per_env={episodes_per_env!r} must be an int >= 1.")
+    episodes_per_env = check_int(episodes_per_env, 'episodes_per_env')
     envs = make_envs(env_id, num_envs, **env_kwargs)
     was_training = agent.training; agent.eval()
     gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
@@ -971,9 +966,7 @@ def _eval_args(delays, episodes_per_env) -> tuple:
     ds = delays.tolist() if isinstance(delays, np.ndarray) else list(delays)
     bad = [D for D in ds if isinstance(D, bool) or not isinstance(D, numbers.Integral)]
     if bad: raise ValueError(f"delays must be ints (fixed delays D), got {bad}: pass e.g. delays=(1, 4) or np.arange(1, 5).")
-    if isinstance(episodes_per_env, bool) or not isinstance(episodes_per_env, numbers.Integral) or episodes_per_env < 1:
-        raise ValueError(f"episodes_per_env={episodes_per_env!r} must be an int >= 1.")
-    return [int(D) for D in ds], int(episodes_per_env)
+    return [int(D) for D in ds], check_int(episodes_per_env, 'episodes_per_env')
 
 NEUTRAL_FIELDS = ('progress', 'threads', 'ckpt_every')   # RLConfig fields a saved result or checkpoint is reused across: the progress
                                                          # bar, the thread count (at most the last bits of a sum), how often it saves

@@ -13,7 +13,7 @@ __all__ = ['MU', 'N_CLASSES', 'SAMPLE_RATE', 'MAX_RESAMPLE_TAPS', 'FULL_SCALE', 
            'plot_train_curves', 'plot_audio', 'generate', 'paper_scaled_configs', 'gpu_train_config', 'gpu_run']
 
 # %% ../nbs/11_speech.ipynb #4cd5649e
-import functools, hashlib, json, math, numbers, re, shutil, tarfile, time
+import functools, hashlib, json, math, re, shutil, tarfile, time
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
-from .data import SPLITS, Corpus, StreamLoader, data_cache_dir, find_shared_data, download_file, sha256_file
+from .data import SPLITS, Corpus, StreamLoader, check_int, data_cache_dir, find_shared_data, download_file, sha256_file
 from .xl import TransformerXL, lm_loss
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, compression_parameters, evaluate, hardware, sample, seed_everything
@@ -75,8 +75,7 @@ def _mu_law_decode_torch(codes:Tensor, mu:int) -> Tensor:
     return torch.sign(y) * (torch.exp(y.abs() * torch.log1p(m)) - 1) / m  # F^-1
 
 def _check_mu(mu):
-    if isinstance(mu, bool) or not isinstance(mu, numbers.Integral) or mu < 1:
-        raise ValueError(f'mu={mu!r} must be an int >= 1 (the codes are 0..mu; 255 for 8-bit µ-law)')
+    return check_int(mu, 'mu', hint=' (the codes are 0..mu; 255 for 8-bit µ-law)')
 
 def mu_law_encode(x, # waveform: float tensor or array in [-1, 1] (values outside are clipped to it)
                   mu:int=MU, # µ: the codes are 0..µ
@@ -140,8 +139,7 @@ def resample(wave, # (..., N) float waveform: tensor or array
             ) -> Tensor: # (..., about N new_sr / orig_sr samples: torchaudio's length) the same signal at new_sr, in wave's dtype
     "Band-limited resampling: a Hann-windowed sinc low-passed below the lower of the two Nyquist limits (torchaudio's default); fp16 and bf16 are resampled in fp32."
     for name, r in (('orig_sr', orig_sr), ('new_sr', new_sr)):
-        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 1:
-            raise ValueError(f'{name}={r!r} must be a positive int (samples per second), e.g. 16_000 or 22_050')
+        check_int(r, name, hint=' (samples per second), e.g. 16_000 or 22_050')
     wave = torch.as_tensor(np.ascontiguousarray(wave) if isinstance(wave, np.ndarray) else wave)   # (torch refuses negative strides)
     if not wave.is_floating_point(): raise TypeError(f'resample takes a float waveform, got dtype {wave.dtype}: '
                                                      'divide 16-bit samples by 32768 first (or read the file with read_clip)')
@@ -390,9 +388,8 @@ class WaveNetConfig:
     def __post_init__(self):
         for name in ('vocab_size', 'd_res', 'd_skip', 'd_out', 'n_layers', 'dilation_cycle'):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f'{name}={v!r} must be a positive int.')
-        if isinstance(self.kernel_size, bool) or not isinstance(self.kernel_size, int) or self.kernel_size < 2:
-            raise ValueError(f'kernel_size={self.kernel_size!r} must be an int >= 2: with one tap a layer sees no past sample.')
+            setattr(self, name, check_int(v, name))                    # (numpy integers stored as ints)
+        self.kernel_size = check_int(self.kernel_size, 'kernel_size', 2, ': with one tap a layer sees no past sample')
 
     @property
     def dilations(self) -> list: return [2 ** (i % self.dilation_cycle) for i in range(self.n_layers)]
@@ -538,9 +535,8 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
     "Train one model on LJ Speech in chunks and measure test bits per sample as it learns; resumable and cached."
     missing = [s for s in SPLITS if s not in data]
     if missing: raise ValueError(f"data has no split(s) {missing}: pass {{'train': ..., 'valid': ..., 'test': ...}} (load_ljspeech())")
-    for k, v in (('steps', steps), ('batch_size', batch_size), ('chunk', chunk), ('eval_every', eval_every),
-                 ('eval_streams', eval_streams), ('eval_chunks', eval_chunks)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f'{k}={v!r} must be a positive int')
+    steps, batch_size, chunk, eval_every, eval_streams, eval_chunks = (check_int(v, k) for k, v in (('steps', steps),
+        ('batch_size', batch_size), ('chunk', chunk), ('eval_every', eval_every), ('eval_streams', eval_streams), ('eval_chunks', eval_chunks)))
     if time_budget_s is not None and folder is None:
         raise ValueError('time_budget_s needs folder=...: without a checkpoint, a run stopped at its budget would start again from step 0')
     build_model(kind, cfg)                                                          # checks kind and config first

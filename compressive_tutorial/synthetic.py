@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .data import Batch
+from .data import Batch, check_int
 from .xl import XLConfig, TransformerXL, lm_loss, temporal_range
 from .model import CTConfig, CompressiveTransformer, attention_cost, ct_temporal_range, held_memory, windows_per_call
 from .train import TrainConfig, Trainer, hardware
@@ -34,9 +34,8 @@ class RecallTask:
     p_short:float = 0.5       # ... with this probability; the others from [d_min, d_max]
 
     def __post_init__(self):
-        for name in ('n_cues', 'n_distractors', 'd_min', 'd_max', 'd_short'):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"RecallTask.{name}={v!r} must be a positive int.")
+        for name in ('n_cues', 'n_distractors', 'd_min', 'd_max', 'd_short'):   # (numpy integers stored as ints)
+            setattr(self, name, check_int(getattr(self, name), f'RecallTask.{name}'))
         if self.n_cues < 2: raise ValueError(f"RecallTask.n_cues={self.n_cues} must be >= 2: with one cue value there is nothing to recall.")
         if not self.d_min <= self.d_short <= self.d_max:
             raise ValueError(f"RecallTask needs d_min <= d_short <= d_max, got {self.d_min}, {self.d_short}, {self.d_max}: "
@@ -82,12 +81,9 @@ class RecallStream:
                  seed:int=0, # stream b draws from np.random.default_rng([seed, b])
                  device=None # where the batches go (None: CPU)
                 ):
-        for name, v in (('batch_size', batch_size), ('n_s', n_s)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{name}={v!r} must be a positive int.")
-        if D is not None and (isinstance(D, bool) or not isinstance(D, int) or D < 0):
-            raise ValueError(f"D={D!r} must be an int >= 0 (distractors per episode), or None for the training mix.")
-        if n_windows is not None and (isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1):
-            raise ValueError(f"n_windows={n_windows!r} must be a positive int, or None for endless streams.")
+        batch_size, n_s = check_int(batch_size, 'batch_size'), check_int(n_s, 'n_s')
+        D = check_int(D, 'D', 0, ' (distractors per episode)', none='the training mix')
+        n_windows = check_int(n_windows, 'n_windows', none='endless streams')
         self.task, self.batch_size, self.n_s, self.D = task, batch_size, n_s, D
         self.n_windows, self.seed, self.device = n_windows, seed, device
 
@@ -226,8 +222,12 @@ class RecallConfig:
 
     def __post_init__(self):
         if isinstance(self.task, dict): self.task = RecallTask(**self.task)     # a RecallTask's fields (asdict keeps no subclass: pass an OrderRecallTask itself)
+        for name, lo in (('n_s', 1), ('txl_n_m', 0), ('ct_n_m', 0), ('n_cm', 0), ('c', 1), ('n_layers', 1), ('d_model', 1), ('n_heads', 1),
+                         ('d_ff', 1), ('steps', 1), ('batch_size', 1), ('warmup_steps', 0), ('eval_batch_size', 1), ('eval_queries', 1), ('seed', 0)):
+            setattr(self, name, check_int(getattr(self, name), f'RecallConfig.{name}', lo))   # (numpy integers stored as ints)
+        self.distances = tuple(check_int(D, f'RecallConfig.distances[{i}]', 0) for i, D in enumerate(self.distances))
+        if not self.distances: raise ValueError("RecallConfig.distances is empty: name at least one distance D to evaluate.")
         self.task.check_layout(self.n_s, self.ct_n_m, self.c)
-        self.distances = tuple(self.distances)
         if held_memory(self.ct_n_m, self.n_cm, self.c) != self.ct_n_m:     # notebook 05: whole blocks of c are evicted
             raise ValueError(f"ct_n_m={self.ct_n_m} is not a multiple of c={self.c}: the Compressive Transformer would hold "
                              f"{held_memory(self.ct_n_m, self.n_cm, self.c)} memories and read more keys than Transformer-XL; use a multiple of c.")
@@ -238,11 +238,6 @@ class RecallConfig:
         if self.n_layers != 1:
             raise ValueError(f"RecallConfig.n_layers={self.n_layers!r}: the demo's reach and predicted accuracy are derived for "
                              f"one layer (notebook 08); deeper models reach further (notebook 02's dependency_reach), so use n_layers=1.")
-        for name in ('steps', 'batch_size', 'eval_batch_size', 'eval_queries'):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"RecallConfig.{name}={v!r} must be a positive int.")
-        if not self.distances or any(not isinstance(D, int) or D < 0 for D in self.distances):
-            raise ValueError(f"RecallConfig.distances={self.distances!r} must be a non-empty list of ints >= 0.")
 
     def keys_per_query(self, name:str) -> int:
         "Most keys one query reads: n_s + n_m (+ n_cm)."
@@ -383,8 +378,7 @@ class OrderRecallTask(RecallTask):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.c, bool) or not isinstance(self.c, int) or self.c < 2:
-            raise ValueError(f"OrderRecallTask.c={self.c!r} must be an int >= 2: a block holds the two cues X and Y.")
+        self.c = check_int(self.c, 'OrderRecallTask.c', 2, ': a block holds the two cues X and Y')
 
     def episode(self, D:int, rng:np.random.Generator) -> tuple: # (tokens (n,), targets (n,)), n = episode_len(D)
         "[X, Y, c-2 distractors][D distractors][query], then distractors up to a multiple of c; the target at the query is X."

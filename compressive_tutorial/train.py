@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch import Tensor
 from tqdm import tqdm
 from .data import word_perplexity
-from .xl import plain_ints
+from .data import check_int
 from .checkpoint import (   # built and tested in the appendix (notebook 90)
     flatten_tree, unflatten_tree, rng_state, set_rng_state, previous_checkpoint, save_checkpoint, load_checkpoint,
     model_meta, check_model, _set_weights, CheckpointError, NonFiniteError, TrainingInterrupted, StopSignals, RunFolderBusy, folder_lock)
@@ -62,26 +62,26 @@ class TrainConfig:
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
-        ints = ('warmup_steps', 'decay_steps', 'update_every', 'update_every_after', 'log_every', 'eval_every', 'ckpt_every')
+        ints = {'warmup_steps': (0, ' (0: no warmup)'), 'decay_steps': (1, ''), 'update_every': (1, ''), 'log_every': (1, ''),
+                'update_every_after': (0, ' (0: every update_every from the start)'), 'eval_every': (0, ' (0: never during fit)'),
+                'ckpt_every': (0, ' (0: not by count)')}
+        for name, (lo, hint) in ints.items():                            # numpy numbers (a sweep's np.arange, np.geomspace) as Python's:
+            setattr(self, name, check_int(getattr(self, name), f'TrainConfig.{name}', lo, hint))   # the config is saved as JSON
+        self.eval_batches = check_int(self.eval_batches, 'TrainConfig.eval_batches', none='the whole valid loader')
         floats = ('lr_min', 'lr_max', 'eps', 'compression_lr_scale', 'weight_decay', 'clip_norm', 'ckpt_minutes')
-        plain_ints(self, ints + ('eval_batches',))                       # numpy numbers (a sweep's np.arange, np.geomspace) as Python's:
-        for name in floats:                                              # the config is saved as JSON, which takes no np.float32
+        for name in floats:                                              # (JSON takes no np.float32 either)
             v = getattr(self, name)
             if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)): setattr(self, name, float(v))
-        for name in ints + ('eval_batches',):
-            v = getattr(self, name)
-            if (v is not None or name != 'eval_batches') and (isinstance(v, bool) or not isinstance(v, int)):
-                raise TypeError(f"TrainConfig.{name}={v!r} must be an int (a number of iterations/windows).")
         for name in floats:
             v = getattr(self, name)                                      # (a YAML or JSON config may hold '1e-3', a string)
             if (v is not None or name != 'clip_norm') and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise TypeError(f"TrainConfig.{name}={v!r} must be a number, not {type(v).__name__}.")
         for name in ('lr_min', 'lr_max', 'eps', 'compression_lr_scale', 'weight_decay'):
             if not math.isfinite(getattr(self, name)): raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be a finite number.")
-        for name in ('lr_min', 'lr_max', 'eps', 'compression_lr_scale', 'decay_steps', 'update_every', 'log_every', 'clip_norm', 'eval_batches'):
+        for name in ('lr_min', 'lr_max', 'eps', 'compression_lr_scale', 'clip_norm'):
             v = getattr(self, name)
             if v is not None and not v > 0: raise ValueError(f"TrainConfig.{name}={v!r} must be > 0.")
-        for name in ('warmup_steps', 'update_every_after', 'weight_decay', 'eval_every', 'ckpt_every', 'ckpt_minutes'):
+        for name in ('weight_decay', 'ckpt_minutes'):
             if not getattr(self, name) >= 0: raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be >= 0 (0 turns it off).")   # (NaN too)
         if self.lr_min > self.lr_max:
             raise ValueError(f"TrainConfig.lr_min={self.lr_min} > lr_max={self.lr_max}: the warmup must rise; lower lr_min or raise lr_max.")
@@ -848,9 +848,8 @@ def sample(model:nn.Module, # a model of the package's interface
            precision:str='auto' # as the model was trained: 'auto' (`choose_precision`), 'bf16', 'fp16' or 'fp32'
           ) -> Tensor: # (n,) or (B, n) the generated ids
     "Continue a prompt with memory: prime window by window, then generate token by token."
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"sample: window={window!r} must be an int >= 1 (None: the model's n_s)")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0: raise ValueError(f"sample: n={n!r} must be an int >= 0 (tokens to generate)")
+    window = check_int(window, 'sample: window', none="the model's n_s")
+    n = check_int(n, 'sample: n', 0, ' (tokens to generate)')
     window = window or _model_window(model)
     ids = prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids           # (B, T)
     if ids.shape[1] < 1: raise ValueError("sample: the prompt needs at least one token")
