@@ -552,6 +552,8 @@ def _train(args, download) -> int:
     try:
         with lock, _threads(run.run.threads):                           # one run per folder (a second one is refused)
             if not args.resume and run.checkpoint.exists():
+                if not (run.path/'config.json').is_file():              # e.g. a notebook's Trainer folder: nothing to --resume
+                    raise ConfigError(f"{_q(run.path)} holds a checkpoint ({CKPT_NAME}) that `ct train` did not write (no config.json): pick another --out")
                 raise ConfigError(f"{_q(run.path)} already holds a run: continue it with {resume}, or pick another --out")
             train_run(run, args.resume, download, args.cache)
     except KeyboardInterrupt as e:                                     # TrainingInterrupted: stopped at a window boundary

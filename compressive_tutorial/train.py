@@ -61,7 +61,7 @@ class TrainConfig:
         return cls(**d)
 
     def __post_init__(self):
-        self.betas = tuple(self.betas)
+        self.betas = tuple(float(b) if isinstance(b, numbers.Real) and not isinstance(b, bool) else b for b in self.betas)   # (numpy's too)
         ints = {'warmup_steps': (0, ' (0: no warmup)'), 'decay_steps': (1, ''), 'update_every': (1, ''), 'log_every': (1, ''),
                 'update_every_after': (0, ' (0: every update_every from the start)'), 'eval_every': (0, ' (0: never during fit)'),
                 'ckpt_every': (0, ' (0: not by count)')}
@@ -334,6 +334,10 @@ def _fingerprint(loader) -> str|None:
     fp = getattr(loader, 'fingerprint', None)
     return fp() if callable(fp) else None
 
+def _same_file(a, b) -> bool:
+    "Whether two paths name one file, however each is spelled: relative or absolute, through a link or not (it need not exist yet)."
+    return Path(a).resolve() == Path(b).resolve()
+
 class Trainer:
     "Trains any model of the package's interface window after window; saves and resumes runs exactly."
     def __init__(self, model:nn.Module, # a model of the package's interface: init_state, forward -> (logits, loss, state)
@@ -514,13 +518,17 @@ class Trainer:
         bad = not (math.isfinite(float(loss)) and (aux is None or math.isfinite(float(aux))))
         return not (all_sum([bad], self.device)[0] if self.world > 1 else bad)
 
+    def _holds(self, path) -> bool:
+        "Whether the checkpoint last written or resumed from is the file `path` at the current step, however either path is spelled (relative, absolute, through a link)."
+        return self.checkpoint is not None and self.checkpoint[1] == self.step and _same_file(self.checkpoint[0], path)
+
     def _diverged(self, what:str, step:int, updates:int, rollback:bool=True, fix:str|None=None) -> NonFiniteError:
         "The error that stops a run diverged at iteration `step`, with the weights of its `updates`-th update. Checkpoints that hold those very weights (written since that update) are rolled back first, if they are this run's own `ckpt_dir/last.safetensors` (never a file it was resumed from elsewhere) and the one kept before it."
         kept = "no checkpoint was written"
         if self.checkpoint is not None and self.rank != 0: kept = "rank 0 handles the checkpoint"
         elif self.checkpoint is not None:
             path, at = self.checkpoint
-            own = self.ckpt_dir is not None and path == self.ckpt_dir/'last.safetensors'
+            own = self.ckpt_dir is not None and _same_file(path, self.ckpt_dir/'last.safetensors')
             kept = f"the checkpoint {path} (step {at:,}) is kept as it was"
             if rollback and own:
                 try: kept = self._roll_back(path, at, updates) or kept
@@ -620,7 +628,7 @@ class Trainer:
         finally: bar.close()
         if stopping is None: stopping = self._agree(stop.signum, False)[0]  # a signal after the last agreement stops the run too
         self._tick()
-        if self.ckpt_dir is not None and ((owed and self.step == start) or self.checkpoint != (self.ckpt_dir/'last.safetensors', self.step)):
+        if self.ckpt_dir is not None and ((owed and self.step == start) or not self._holds(self.ckpt_dir/'last.safetensors')):
             self.save()                                                     # (once a window has run, a save of its step holds the row)
         if stopping is None: stopping = self._agree(stop.signum, False)[0]  # and one during that save: it is written, stop now
         if stopping is not None:
@@ -686,7 +694,7 @@ class Trainer:
         if bad: raise self._diverged(f"the weights are not finite ({bad[0]}{' and more' if len(bad) > 1 else ''}); not saved", self.step,
                                      self.n_updates, rollback=False)                     # the checkpoints were finite when written: keep them
         tensors, meta = self.state_dict()                                         # (DDP: gathers every rank's memories)
-        again = self.checkpoint == (Path(path), self.step)                        # this step again (a row added since): no new way back
+        again = self._holds(path)                                                 # this step again (a row added since): no new way back
         if self.rank == 0: path = save_checkpoint(path, tensors, meta, on_chunk=on_chunk, keep_previous=not again)
         self.checkpoint, self._saved_at = (Path(path), self.step), self._clock()
         return path
