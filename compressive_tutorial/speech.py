@@ -466,9 +466,9 @@ class WaveNet(nn.Module):
         if not isinstance(state, WaveNetState) or len(state.past) != len(self.layers) or state.batch_size != B:
             raise ValueError(f'state must be a WaveNetState of {len(self.layers)} layers for batch {B}: pass None or model.init_state({B}).')
         past = state.past
-        if reset is not None:
-            keep = (~reset.to(tokens.device, torch.bool)).to(past[0].dtype)[:, None, None]   # (B, 1, 1)
-            past = [p * keep for p in past]
+        if reset is not None:                                               # zeroed, not multiplied by 0: an inf or NaN left
+            gone = reset.to(tokens.device, torch.bool)[:, None, None]       # by the last clip must not reach the next (0 x inf = NaN)
+            past = [p.masked_fill(gone, 0) for p in past]                  # (B, ctx, d_res)
         try: x = self.emb(tokens)                                           # (B, T, d_res)
         except IndexError:                                                  # (on CUDA a device-side assert instead)
             raise IndexError(f'tokens must be codes in [0, vocab_size={self.cfg.vocab_size}), got values from {int(tokens.min())} '
