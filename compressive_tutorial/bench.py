@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from .data import check_int
 from .xl import XLConfig, TransformerXL
-from .model import CTConfig, CompressiveTransformer
+from .model import CTConfig, CompressiveTransformer, held_memory
 from .losses import CompressionLoss
 from .train import DEVICES, hardware, make_adam, compile_layers, bf16_native
 from .experiments import _sync
@@ -79,9 +79,9 @@ class BenchConfig:
                                   compression='conv', compression_loss='attention'), **kw})   # kw may override any of them
 
     def txl(self, **kw) -> XLConfig:
-        "Our Transformer-XL with the same attention span per window as the CT: memory n_m + n_cm."
+        "Our Transformer-XL with the same attention span per window as the CT: a memory of the CT's n_m (as it holds it: `held_memory`) + n_cm."
         return XLConfig(vocab_size=self.vocab_size, d_model=self.d_model, n_heads=self.n_heads, n_layers=self.n_layers,
-                        d_ff=self.d_ff, n_s=self.n_s, n_m=self.n_m + self.n_cm, **kw)
+                        d_ff=self.d_ff, n_s=self.n_s, n_m=held_memory(self.n_m, self.n_cm, self.c) + self.n_cm, **kw)
 
 BENCH_CPU = BenchConfig()
 BENCH_GPU = BenchConfig(n_layers=8, d_model=512, n_heads=8, d_ff=2048, n_s=512, n_m=512, n_cm=512, c=4, batch_size=16,
@@ -90,13 +90,13 @@ BENCH_GPU = BenchConfig(n_layers=8, d_model=512, n_heads=8, d_ff=2048, n_s=512, 
 # %% ../nbs/15_performance.ipynb #b1500012
 def ct_flops_per_token(cfg:BenchConfig, # the sizes
                        training:bool, # True: forward + backward of a training step; False: an inference window with the K/V cache
-                       kind:str='ct' # 'ct' (Compressive Transformer) or 'txl' (Transformer-XL, memory n_m + n_cm, no compression)
+                       kind:str='ct' # 'ct' (Compressive Transformer) or 'txl' (`BenchConfig.txl`: the same keys, no compression)
                       ) -> float: # matmul FLOPs per token of our implementation (multiply-add = 2 FLOPs)
     "Model FLOPs per token from the sizes (formula in the notebook); what MFU is computed from."
     d, s, B, V, c = cfg.d_model, cfg.n_s, cfg.batch_size, cfg.vocab_size, cfg.c
     ct = kind == 'ct' and cfg.n_cm > 0                    # (a CT without compressed memory computes what a TXL does)
-    M = cfg.n_m + (-cfg.n_m) % c * ct + cfg.n_cm          # keys in front of the window ('txl': n_m + n_cm; a CT evicts whole blocks
-    K = M + s                                             # of c, so its memory holds n_m rounded up to them); keys per query
+    M = held_memory(cfg.n_m, cfg.n_cm, c) + cfg.n_cm      # keys in front of the window (a CT evicts whole blocks of c, so its memory
+    K = M + s                                             # holds n_m rounded up to them; the TXL gets as many); keys per query
     attn = 6 * K * d                                      # (a)+(c), (b)+(d), weighted sum: 2 K d each
     dense = 8 * d * d + 4 * d * cfg.d_ff                  # q, k, v of the window, o; the FFN
     pos = 2 * d * d * K / (s * B)                         # W_R R: once per window and layer, shared by the batch
@@ -156,7 +156,7 @@ class OursRunner(Runner):
         self.computes = ('relative attention (a)+(b)+(c)+(d) over [cm; m; window], K/V weight gradients, conv f_c, ' +
                          ('attention-reconstruction loss (Algorithm 2) into f_c only' if aux else 'NO reconstruction loss')
                          if kind == 'ct' else
-                         f'relative attention (a)+(b)+(c)+(d) over a memory of {cfg.n_m + cfg.n_cm} (same span as the CT)')
+                         f'relative attention (a)+(b)+(c)+(d) over a memory of {held_memory(cfg.n_m, cfg.n_cm, cfg.c) + cfg.n_cm} (same span as the CT)')
         self.reset()
     def reset(self): self.state = None
     def train_step(self, x, y):
@@ -184,6 +184,9 @@ class LucidrainsRunner(Runner):
         from compressive_transformer_pytorch import CompressiveTransformer as LCT
         if cfg.d_ff != 4 * cfg.d_model: raise CannotRun(f"compressive-transformer-pytorch fixes d_ff = 4 d_model = {4 * cfg.d_model}, "
                                                         f"not {cfg.d_ff}: set d_ff so, or leave lucidrains-ct out of the implementations")
+        if cfg.n_m < cfg.n_s or cfg.n_cm < cfg.n_m // cfg.c:   # (its own asserts)
+            raise CannotRun(f"compressive-transformer-pytorch needs n_m >= n_s and n_cm >= n_m // c, got n_m={cfg.n_m}, n_s={cfg.n_s}, "
+                            f"n_cm={cfg.n_cm}, c={cfg.c}: change the sizes, or leave lucidrains-ct out of the implementations")
         self.model = LCT(num_tokens=cfg.vocab_size, dim=cfg.d_model, seq_len=cfg.n_s, depth=cfg.n_layers, mem_len=cfg.n_m,
                          cmem_len=cfg.n_cm, cmem_ratio=cfg.c, heads=cfg.n_heads, gru_gated_residual=False,
                          mogrify_gru=False, ff_glu=False).to(cfg.device)   # plain residuals: no GRU gating (not in the paper)
@@ -206,6 +209,8 @@ class LabmlRunner(Runner):
     computes = ('relative attention with learned position embeddings (2 x 4096 x H x d_h per layer, all updated); pre-LN; '
                 'conv f_c; reconstruction loss re-projecting everything; one summed loss')
     def __init__(self, cfg:BenchConfig):
+        if cfg.n_cm == 0: raise CannotRun("labml's memory merge keeps the last n_cm compressed slots with m[-n_cm:], all of them when "
+                                          "n_cm = 0, so its compressed memory would grow every window: use n_cm > 0, or leave labml-ct out")
         import labml.tracker
         if not hasattr(labml.tracker, 'debug'): labml.tracker.debug = lambda *a, **k: None   # labml-nn 0.5.1 calls it; labml 0.5.3 removed it
         from labml_nn.transformers.compressive import (CompressiveTransformer as LabCT, CompressiveTransformerLayer,
@@ -384,13 +389,14 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
                 try: res[n][phase].append(cfg.steps * cfg.batch_size * cfg.n_s / _time(lambda i: r.window(phase, *xy(i), cfg), cfg.steps, dev))
                 except Exception as e: drop(n, phase, 'timing', e)
             if progress: print(f"{phase} rep {rep + 1}/{cfg.reps}: " + '  '.join(f"{n} {res[n][phase][-1]:,.0f}" for n in names), flush=True)
+    def measure(n, what, error, fn):                       # a count or a peak that fails loses itself, not the timings
+        try: res[n][what] = fn()
+        except Exception as e: res[n][what], res[n][error] = None, f"{type(e).__name__}: {(str(e).strip() or '?').splitlines()[0][:300]}"
     for n, r in runners.items():
-        try: res[n]['flops_counted'] = counted_flops(r, cfg, *xy(0))
-        except Exception as e:                             # a count that fails loses the count, not the timings
-            res[n]['flops_counted'], res[n]['flops_error'] = None, f"{type(e).__name__}: {(str(e).strip() or '?').splitlines()[0][:200]}"
-        if memory and dev.startswith('cuda'): res[n]['peak_mib'] = cuda_peak_mib(r, cfg, xy)
+        measure(n, 'flops_counted', 'flops_error', lambda: counted_flops(r, cfg, *xy(0)))
+        if memory and dev.startswith('cuda'): measure(n, 'peak_mib', 'peak_error', lambda: cuda_peak_mib(r, cfg, xy))
     if memory and not dev.startswith('cuda'):
-        for n in runners: res[n]['peak_mib'] = cpu_peak_mib(n, cfg)
+        for n in runners: measure(n, 'peak_mib', 'peak_error', lambda: cpu_peak_mib(n, cfg))
     for n in runners:
         for phase in ('train', 'infer'): res[n][phase + '_tps'] = statistics.median(res[n][phase])
     return dict(config=asdict(cfg), results=res, skipped=skipped, mm_flops=mm, hardware=hardware(dev),
@@ -422,7 +428,7 @@ def _peak_child(name:str, cfg_json:str, phase:str):
     "In a fresh process: the peak resident memory of one phase's windows (memories filling, then full) above the built model, in the benchmark's precision."
     cfg = BenchConfig(**json.loads(cfg_json))
     if cfg.threads: torch.set_num_threads(cfg.threads)
-    r = make_runners(replace(cfg, impls=(name,)))[0][name]
+    r = make_runners(replace(cfg, impls=(name,), reference=name))[0][name]   # (built alone: it is its own reference)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s))
     if r.compiled: r.warm_up(phase, lambda i: (x, x), cfg)       # a compiled model compiles first: not the model's memory
     r.reset(); gc.collect()
@@ -435,7 +441,9 @@ def cpu_peak_mib(name:str, cfg:BenchConfig) -> tuple:
     def child(phase):
         code = f"from compressive_tutorial.bench import _peak_child; _peak_child({name!r}, {json.dumps(json.dumps(asdict(cfg)))}, {phase!r})"
         out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
-        if out.returncode: raise RuntimeError(f"peak-memory child for {name} ({phase}) failed:\n{out.stderr[-2000:]}")
+        if out.returncode:
+            last = (out.stderr.strip().splitlines() or ['no error output'])[-1]
+            raise RuntimeError(f"peak-memory child for {name} ({phase}) failed: {last}\n{out.stderr[-2000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
     return child('train'), child('infer')
 
@@ -485,6 +493,7 @@ def report(r:dict # what `run_benchmark` returned
     for n, why in r['skipped'].items(): lines.append(f"skipped {n}: {why}")
     for n, v in res.items():
         if v.get('flops_error'): lines.append(f"FLOP count of {n} failed (its timings stand): {v['flops_error']}")
+        if v.get('peak_error'): lines.append(f"peak memory of {n} not measured (its timings stand): {v['peak_error']}")
     lines += ['', 'what one training step computes:'] + [f"  {n}: {v['computes']}" for n, v in res.items()]
     return '\n'.join(lines)
 

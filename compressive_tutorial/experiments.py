@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save
 from .checkpoint import write_atomic
 from .data import Corpus, StreamLoader, check_int, encode_documents, load_books
 from .xl import XLConfig
-from .model import CTConfig, build_model, memory_summary, windows_per_call
+from .model import CTConfig, build_model, held_memory, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
 
 # %% ../nbs/09_books_char.ipynb #fc507a73
@@ -35,12 +35,12 @@ def equal_cost_pair(n:int, # the TXL memory; the CT gets n_m = n_cm = n/2
                     compression_loss:str='attention', # how f_c learns: 'attention', 'autoencode', 'bptt' or 'none'
                     **sizes, # every other field, the same for both: d_model, n_heads, n_layers, d_ff, n_s, dropout, ...
                    ) -> tuple: # (XLConfig, CTConfig)
-    "A Transformer-XL with memory n and a Compressive Transformer with n_m = n_cm = n/2: the same attention cost (§3.3)."
-    if isinstance(n, bool) or not isinstance(n, int) or n < 2 or n % 2:
-        raise ValueError(f"n={n!r} must be an even int >= 2, so that the CT gets n_m = n_cm = n/2 = {n / 2 if isinstance(n, (int, float)) else '?'}")
+    "A Transformer-XL with memory n and a Compressive Transformer with n_m = n_cm = n/2: the same attention cost (§3.3). Where c does not divide n/2, the CT's memory holds n/2 rounded up to whole blocks of c (`held_memory`, notebook 05), and the Transformer-XL gets as many more slots."
+    n, c = check_int(n, 'n', 2, ', even, so that the CT gets n_m = n_cm = n/2'), check_int(c, 'c')
+    if n % 2: raise ValueError(f"n={n} must be even, so that the CT gets n_m = n_cm = n/2 = {n / 2}")
     for k in ('n_m', 'n_cm', 'c', 'compression', 'compression_loss'):
         if k in sizes: raise ValueError(f"{k} is set by equal_cost_pair itself; do not pass it in **sizes")
-    txl = XLConfig(n_m=n, **sizes)
+    txl = XLConfig(n_m=held_memory(n // 2, n // 2, c) + n // 2, **sizes)      # = n where c divides n/2
     ct = CTConfig(n_m=n // 2, n_cm=n // 2, c=c, compression=compression, compression_loss=compression_loss, **sizes)
     return txl, ct
 
