@@ -63,7 +63,7 @@ class Compressor(nn.Module):
         if valid is not None and (valid.shape != (B, n) or valid.dtype != torch.bool):
             raise ValueError(f"valid must be a (B, n) = {(B, n)} bool tensor, one flag per old memory, got {tuple(valid.shape)} {valid.dtype}")
         if n == 0: return old[:, :0] # (B, 0, d): nothing was evicted
-        if valid is not None: old = old * valid[..., None].to(old.dtype) # another episode's memories: zeros, like padding
+        if valid is not None: old = old.masked_fill(~valid[..., None], 0) # another episode's memories: zeros, like padding (not x 0: inf x 0 is NaN)
         return self.compress(old, usage, valid) # (B, n/c, d)
 
     def compress(self, old:Tensor, usage:Tensor|None, valid:Tensor|None)->Tensor:
@@ -152,10 +152,10 @@ class DilatedConvCompressor(Compressor):
 
     def compress(self, old, usage=None, valid=None):
         x = old.transpose(1, 2) # (B, d, n): channels first
-        keep = None if valid is None else valid[:, None, :].to(x.dtype) # (B, 1, n): another episode's memories act as padding
+        gone = None if valid is None else ~valid[:, None, :]              # (B, 1, n): another episode's memories act as padding
         for conv in self.dilated:                                         # (forward has zeroed them in the input)
             x = x + F.relu(conv(x)) # (B, d, n): same length, wider context
-            if keep is not None: x = x * keep # zero at every layer, exactly like the zero padding at the ends
+            if gone is not None: x = x.masked_fill(gone, 0) # zero at every layer, exactly like the zero padding at the ends
         return self.reduce(x).transpose(1, 2) # (B, n/c, d)
 
 # %% ../nbs/03_compression.ipynb #1556fde6

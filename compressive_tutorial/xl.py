@@ -133,7 +133,7 @@ def visible_after(first:Tensor # (B, T) bool: True at an episode's first step, f
 def mask_memory(memory:Memory, # (B, M, d) stored states of one layer
                 keep:Tensor|None # (B,) bool: False hides every slot of that stream; None: nothing changes
                ) -> Memory: # the same states and cached keys/values, fewer of them readable
-    "Hide the slots of the streams whose episode ended (contents and cache are kept: they are never read again)."
+    "Hide the slots of the streams whose episode ended: every later query gives them weight 0. Contents and cache are kept as they are, so a value there gone non-finite would still reach the output (0 x inf is NaN; masks in PyTorch's attention kernels behave alike)."
     if keep is None: return memory
     return Memory(memory.mem, memory.valid & keep.to(memory.valid.device)[:, None], memory.kv)
 
