@@ -455,7 +455,8 @@ def eval_across_memory_sizes(model:CompressiveTransformer, # a trained Compressi
                              n_cm_values:list, # compressed memory sizes to evaluate with
                              n_m:int|None=None, # memory size for all of them (None: the model's)
                              max_batches:int|None=None, # windows read per evaluation, `skip` included (None: the whole loader)
-                             skip:int|None=None # windows read but not scored first (None: those the largest size needs to fill its memories)
+                             skip:int|None=None, # windows read but not scored first (None: those the largest size needs to fill its memories)
+                             shard:bool=False # in a DDP run (every rank calls it): each rank reads its block of streams (`evaluate`)
                             ) -> list: # [dict(n_cm, n_m, slots, temporal_range, loss, bpb, tokens, skip)] one per size
     "Bits per byte of one model evaluated with each compressed-memory size (the paper's Tables 8-9, App. B), every size scored on the same windows."
     n_m, c = model.n_m if n_m is None else n_m, model.cfg.c
@@ -474,15 +475,17 @@ def eval_across_memory_sizes(model:CompressiveTransformer, # a trained Compressi
                          f"read more (max_batches, a longer loader) or pass a smaller skip (skip=0 scores every window).")
     rows = []
     for n_cm in n_cm_values:
-        ev = evaluate(model, _unscored(loader, skip), mem_len=n_m, max_batches=max_batches, n_cm=n_cm)
+        ev = evaluate(model, _Unscored(loader, skip), mem_len=n_m, max_batches=max_batches, n_cm=n_cm, shard=shard)
         m = held_memory(n_m, n_cm, c)                                     # n_m, or whole blocks of c (notebook 05)
         rows.append(dict(n_cm=n_cm, n_m=n_m, slots=m + n_cm, temporal_range=ct_temporal_range(len(model.layers), m, n_cm, c),
                          loss=ev['loss'], bpb=ev['bpb'], tokens=ev['tokens'], skip=skip))
     return rows
 
-def _unscored(loader, skip:int):
-    "The windows of `loader`, the first `skip` with every target set to -100: `evaluate` reads them (the memories fill) and scores the rest."
-    for i, b in enumerate(loader): yield b._replace(y=torch.full_like(b.y, -100)) if i < skip else b
+class _Unscored:
+    "The windows of `loader`, the first `skip` with every target set to -100: `evaluate` reads them (the memories fill) and scores the rest. It keeps the loader's batch size, which `evaluate` shards by."
+    def __init__(self, loader, skip:int): self.loader, self.skip, self.batch_size = loader, skip, getattr(loader, 'batch_size', None)
+    def __iter__(self):
+        for i, b in enumerate(self.loader): yield b._replace(y=torch.full_like(b.y, -100)) if i < self.skip else b
 
 def memory_sweep_table(rows:list # from `eval_across_memory_sizes`
                       ) -> str: # a markdown table, one column per size (like Tables 8-9)

@@ -16,7 +16,7 @@ import torch
 from .data import ENWIK8_URL, Batch, StreamLoader, check_int, data_cache_dir, fixture_download
 from .checkpoint import IMPL_FIELDS, write_atomic
 from .model import CTConfig, build_model, windows_per_call
-from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
+from .train import TrainConfig, Trainer, dist_rank_world, evaluate, hardware, seed_everything
 from .analysis import eval_across_memory_sizes, plot_memory_sweep, warmup_windows
 from .cli import load_corpus, n_params, paper_schedule
 from .experiments import _data_key
@@ -266,11 +266,12 @@ def evaluate_protocol(model, # a trained Compressive Transformer (e.g. `train_pr
     sizes = sweep_sizes(preset) if sizes is None else sizes
     if not sizes: raise ValueError("evaluate_protocol got no sizes: pass None (sweep_sizes) or a list of n_cm values")
     skip = warmup_windows(n_s, preset.n_m, max(sizes), preset.c)        # the windows that fill the largest size: read, not scored
+    shard = dist_rank_world()[1] > 1                                    # under torchrun: each rank reads its block of streams
     sweep = eval_across_memory_sizes(model, StreamLoader(data['valid'], B, n_s), sizes, skip=skip,
-                                     max_batches=None if valid_batches is None else skip + valid_batches)
+                                     max_batches=None if valid_batches is None else skip + valid_batches, shard=shard)
     best = min(sweep, key=lambda r: r['bpb'])['n_cm']
     test_dl = StreamLoader(data['test'], B, n_s)                         # tail='pad': every test byte is scored once
-    test = {n: evaluate(model, test_dl, n_cm=n, max_batches=test_batches) for n in dict.fromkeys([best, preset.n_cm])}
+    test = {n: evaluate(model, test_dl, n_cm=n, max_batches=test_batches, shard=shard) for n in dict.fromkeys([best, preset.n_cm])}
     return dict(sweep=sweep, best_n_cm=best, test=test, test_bpc=test[best]['bpb'], test_bpc_train_n_cm=test[preset.n_cm]['bpb'],
                 test_bytes=test[best]['tokens'], eval_s=time.perf_counter() - t0, hardware=hardware(next(model.parameters()).device))
 

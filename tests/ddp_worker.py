@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from compressive_tutorial.data import StreamLoader
+from compressive_tutorial.analysis import eval_across_memory_sizes
 from compressive_tutorial.model import CompressiveTransformer, CTConfig
 from compressive_tutorial.train import Trainer, TrainConfig, TrainingInterrupted, init_distributed, dist_rank_world, seed_everything
 
@@ -66,6 +67,11 @@ def main(phase, out):
         t.fit(12)
     if phase == 'single':                                 # one process straight through, for the printed difference
         model, dl = make(); Trainer(model, dl, cfg=CFG, ckpt_dir=out/'A1').fit(12)
+    if phase in ('first', 'single'):                       # a memory-size sweep, sharded: each rank reads its block of streams
+        model, dl = make(); seen = []
+        model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+        rows = eval_across_memory_sizes(model, dl, [0, 4], skip=1, shard=True)
+        if rank == 0: (out/f'sweep-{world}.json').write_text(json.dumps(dict(rows=rows, batch_sizes=sorted(set(seen)), windows=len(seen))))
     if phase == 'signals':                                # SIGTERM on rank 0 alone, at step 3, just after the stop agreement
         got = {}
         for where in ('_agree', 'evaluate'):              # ... after its all-reduce returned / in the evaluation that follows it

@@ -70,6 +70,15 @@ def test_ddp_metrics_equal_one_process(runs):
         for x, y in zip(r['aux_layers'], s['aux_layers']): assert abs(x - y) <= 1e-5 * abs(y), (r['step'], r['aux_layers'], s['aux_layers'])
 
 
+def test_ddp_memory_sweep_equals_one_process(runs):
+    "eval_across_memory_sizes(shard=True) on 2 ranks: each reads its half of the streams, and the rows are one process's."
+    two, one = (json.loads((runs/f'sweep-{w}.json').read_text()) for w in (2, 1))
+    assert (two['batch_sizes'], one['batch_sizes'], two['windows'], one['windows']) == ([2], [4], one['windows'], 2 * 6), (two, one)   # 2 sizes x 6 windows
+    for a, b in zip(two['rows'], one['rows']):
+        assert {k: v for k, v in a.items() if k != 'loss' and k != 'bpb'} == {k: v for k, v in b.items() if k != 'loss' and k != 'bpb'}
+        assert abs(a['loss'] - b['loss']) <= 1e-6 * b['loss'], (a, b)
+
+
 def test_signal_on_one_rank_stops_every_rank(tmp_path):
     "SIGTERM on rank 0 just after a step's stop agreement (after its all-reduce, or in the evaluation after it): not lost, not split."
     launch('signals', tmp_path, 2, timeout=300)      # before the fix: the first one was lost, the second one hung rank 1
