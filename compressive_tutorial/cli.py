@@ -18,8 +18,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.distributed as dist
-from .data import (
-    SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, check_int, download_file, encode_documents, load_books, load_enwik8, read_text)
+from compressive_tutorial.data import (
+    SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, check_int, download_file, encode_documents, load_books, load_enwik8, read_text,
+    strip_gutenberg)
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
 from .train import (
@@ -287,7 +288,7 @@ def load_corpus(corpus:str, # 'enwik8', 'books', a folder of .txt books, or a .t
     if corpus == 'books': path, docs = 'the books', load_books(books_folder(download))   # shared, else fetched (notebook 00)
     else:
         path = Path(corpus).expanduser()
-        if path.is_file(): return split_bytes(ByteTokenizer().encode_array(read_text(path)[0]), path.name)
+        if path.is_file(): return split_bytes(ByteTokenizer().encode_array(strip_gutenberg(read_text(path)[0])), path.name)   # (as the books)
         if not path.is_dir():
             raise FileNotFoundError(f"corpus {corpus!r} is neither 'enwik8', 'books', a folder of .txt books nor a .txt file: check the path")
         docs = load_books(path)

@@ -207,7 +207,7 @@ def verify_file(path, # the file to check
     if n != size: raise ValueError(f'{path} has {n:,} bytes but {what} has {size:,}: the file is truncated or not '
                                    f'{what}. Delete it and call again to download it again, or replace it by hand.')
     got = file_digest(path, algo)
-    if got != digest: raise ValueError(f'{path} has {algo} {got} but {what} has {algo} {digest}: the file is corrupt or not '
+    if got != digest.strip().lower(): raise ValueError(f'{path} has {algo} {got} but {what} has {algo} {digest}: the file is corrupt or not '
                                        f'{what}. Delete it and call again to download it again, or replace it by hand.')
     return path
 
@@ -338,13 +338,15 @@ def read_text(path, # a text file
 def hash_split(names:list, # file names
                valid_frac:float=0.1, # fraction of books for validation
                test_frac:float=0.1, # fraction of books for test
+               fill:bool=True # a folder split by hash alone: under 3 books all train, from 3 on no split left empty (False: every name by its hash, as beside a table that fills every split)
               ) -> dict: # name -> 'train' | 'valid' | 'test'
     "A deterministic split by book, each name on its own: its md5 read as a number u in [0, 1) puts it in test (u < test_frac), valid (u < test_frac + valid_frac) or train, so adding or removing books moves no other book."
     if not (0 <= valid_frac and 0 <= test_frac and valid_frac + test_frac < 1):
         raise ValueError(f"valid_frac={valid_frac}, test_frac={test_frac}: each must be >= 0 and their sum below 1")
     u = {n: int(hashlib.md5(n.encode('utf-8', 'surrogateescape')).hexdigest(), 16) / 16 ** 32 for n in names}   # (any file name)
-    if len(u) < 3: return {n: 'train' for n in u}            # too few books to hold any out
     split = {n: 'test' if x < test_frac else 'valid' if x < test_frac + valid_frac else 'train' for n, x in u.items()}
+    if not fill: return split
+    if len(u) < 3: return {n: 'train' for n in u}            # too few books to hold any out
     need = [s for s, frac in (('test', test_frac), ('valid', valid_frac), ('train', 1)) if frac > 0]   # in the order of u
     for s in need:                                           # a small folder: no split left empty (a held-out one with fraction 0 is)
         if s in split.values(): continue
@@ -385,7 +387,8 @@ def load_books(folder=None, # a folder of .txt books; None: the books corpus, `b
     files = sorted(folder.glob('*.txt'))
     if not files: raise ValueError(f'empty corpus: {folder} has no .txt files')
     table = read_split_table(folder/split_file) if (folder/split_file).is_file() else {}
-    rest = hash_split([f.name for f in files if f.name not in table], valid_frac, test_frac)
+    full = set(SPLITS) <= set(table.values())                           # the table fills every split: the other files by hash alone,
+    rest = hash_split([f.name for f in files if f.name not in table], valid_frac, test_frac, fill=not full)   # so none moves when one is added
     splits = {s: [] for s in SPLITS}
     for f in files:
         text, enc = read_text(f, errors)
@@ -517,7 +520,8 @@ def train_sentencepiece(texts, # training text: a str, or a list of str / `Docum
     lines = (l for t in texts for l in (t.text if isinstance(t, Document) else t).split('\n') if l.strip())   # a stream: no copy of the corpus
     first = next(lines, None)
     if first is None: raise ValueError('empty corpus: no text to train the subword vocabulary on')
-    if vocab_size <= 260: raise ValueError(f'vocab_size={vocab_size} is too small: byte fallback alone needs 256 + 4 pieces; use 300 or more')
+    if vocab_size <= 260: raise ValueError(f'vocab_size={vocab_size} is too small: byte fallback alone needs 256 + 4 pieces, '
+                                           'and every character the text keeps one more (about 320 in all for English)')
     lines = itertools.chain([first], lines)
     if max_lines: lines = iter(sample_lines(lines, max_lines, seed))        # our sample: sentencepiece's own is not reproducible
     model = io.BytesIO()
@@ -527,7 +531,12 @@ def train_sentencepiece(texts, # training text: a str, or a list of str / `Docum
                 hard_vocab_limit=False, input_sentence_size=0, minloglevel=2, num_threads=os.cpu_count() or 1)
     opts.update(kwargs)
     spm.set_random_generator_seed(seed)
-    spm.SentencePieceTrainer.train(sentence_iterator=lines, model_writer=model, **opts)
+    try: spm.SentencePieceTrainer.train(sentence_iterator=lines, model_writer=model, **opts)
+    except RuntimeError as e:                                              # "Vocabulary size is smaller than required_chars. 300 vs 318"
+        need = re.search(r'required_chars\D*(\d+) vs (\d+)', str(e))
+        if need is None: raise
+        raise ValueError(f'vocab_size={vocab_size} is too small for this text: with byte fallback sentencepiece needs {need[2]} pieces '
+                         f'before any merge (256 + 4, and one per character it keeps): use more than {need[2]}') from None
     return SubwordTokenizer(model.getvalue())
 
 def sample_lines(lines, # any iterable of lines, read once
