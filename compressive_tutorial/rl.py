@@ -561,10 +561,13 @@ class TransformerXLCore(nn.Module):
                  n_s:int=8, # window length; a divisor of the unroll T lines the windows up with the rollouts
                  n_m:int=16, # memory slots per layer
                  pre_ln:bool=True, # pre-LayerNorm (a departure from the paper's post-LN, steadier in RL); False = the paper's
-                 **cfg_kwargs # more XLConfig (or CTConfig) fields, e.g. dropout, attn_impl
+                 **cfg_kwargs # more XLConfig (or CTConfig) fields, e.g. attn_impl, clamp_len (not dropout: refused)
                 ):
         super().__init__()
         if d_out != d_in: raise ValueError(f"an attention core keeps its width: d_out={d_out} must equal d_in={d_in}.")
+        for k in ('dropout', 'dropatt'):                                  # the actor runs in eval mode, the learner in train mode
+            if cfg_kwargs.get(k): raise ValueError(f"{k}={cfg_kwargs[k]} in an agent's core: the learner would replay with dropout what the "
+                                                   "actor ran without, and V-trace's importance weights would measure the dropout noise; leave it 0.")
         self.d_in = self.d_out = d_in
         self.model = self._build(dict(vocab_size=1, d_model=d_in, n_heads=n_heads, n_layers=n_layers, d_ff=d_ff, n_s=n_s,
                                       n_m=n_m, pre_ln=pre_ln, **cfg_kwargs))
@@ -703,6 +706,12 @@ class Actor:
                        torch.stack(rewards, 1), state0), episodes
 
 # %% ../nbs/12_rl.ipynb #f0a160c8
+def _plain(v):
+    "numpy numbers as Python's, also inside dicts, lists and tuples (a sweep's `np.arange` in `env_kwargs`): a config is saved as JSON."
+    if isinstance(v, dict): return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)): return type(v)(_plain(x) for x in v)
+    return v.item() if isinstance(v, np.generic) else v
+
 @dataclass
 class RLConfig:
     "An IMPALA-style run: environment, agent, actor, V-trace and optimisation (tutorial defaults; IMPALA's and the paper's in comments)."
@@ -733,6 +742,8 @@ class RLConfig:
         for name, lo in (('d_model', 1), ('num_envs', 1), ('unroll', 1), ('updates', 1), ('log_every', 1), ('lag', 0), ('ckpt_every', 0), ('seed', 0)):
             setattr(self, name, check_int(getattr(self, name), f'RLConfig.{name}', lo))   # numpy integers too; the config is saved as JSON
         self.threads = check_int(self.threads, 'RLConfig.threads', none='leave as is')
+        for name in ('env_kwargs', 'core_kwargs', 'curriculum', 'gamma', 'rho_bar', 'c_bar', 'baseline_cost', 'entropy_cost', 'lr', 'max_grad_norm'):
+            setattr(self, name, _plain(getattr(self, name)))              # numpy numbers in them too: json.dumps refuses np.int64
         if not 0 <= self.gamma <= 1: raise ValueError(f"RLConfig.gamma={self.gamma} must be in [0, 1].")
         if not self.rho_bar >= self.c_bar > 0: raise ValueError(f"RLConfig needs rho_bar >= c_bar > 0, got {self.rho_bar}, {self.c_bar}.")
         for name in ('lr', 'max_grad_norm'):
@@ -1039,12 +1050,16 @@ def run_experiment(specs:dict, # name -> the RLConfig fields that differ from `b
     "Train every spec with every seed, or load its saved result; keep the success curves and the final success at each delay."
     t_all, deadline = time.perf_counter(), None if budget_s is None else time.time() + budget_s
     delays, episodes_per_env = _eval_args(delays, episodes_per_env)
-    jobs, results = [], {}
+    jobs, results, stem = [], {}, {}
+    for name in specs:                                          # each spec's result files: its name in letters and digits
+        stem[name] = re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_')
+        same = [n for n in stem if n != name and stem[n] == stem[name]]
+        if same: raise ValueError(f"specs {same[0]!r} and {name!r} would share the result files {stem[name]}-seed*.json in out_dir: rename one.")
     for name, over in specs.items():
         for seed in seeds:
             cfg = asdict(RLConfig(**{**asdict(base), **over, 'seed': seed}))
             if workers > 1: cfg['threads'] = 1                  # what a worker process runs with, so what its result records
-            path = None if out_dir is None else Path(out_dir)/f"{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_')}-seed{seed}.json"
+            path = None if out_dir is None else Path(out_dir)/f"{stem[name]}-seed{seed}.json"
             saved = None if path is None else _load_result(path, cfg, delays, episodes_per_env)
             if saved is not None: results[name, seed] = saved
             else: jobs.append((name, seed, cfg, None if path is None else str(path)))
