@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['IMPLS', 'BENCH_CPU', 'BENCH_GPU', 'RUNNERS', 'BenchConfig', 'ct_flops_per_token', 'Runner', 'OursRunner', 'CannotRun',
-           'LucidrainsRunner', 'LabmlRunner', 'make_runners', 'native_dtype', 'mm_flops', 'counted_flops',
-           'device_peak_flops', 'run_benchmark', 'cuda_peak_mib', 'cpu_peak_mib', 'report', 'run_spread',
-           'profile_table']
+           'LucidrainsRunner', 'LabmlRunner', 'make_runners', 'make_runner', 'native_dtype', 'mm_flops',
+           'counted_flops', 'device_peak_flops', 'run_benchmark', 'cuda_peak_mib', 'cpu_peak_mib', 'report',
+           'run_spread', 'profile_table']
 
 # %% ../nbs/15_performance.ipynb #b1500004
 import contextlib, gc, json, math, os, re, statistics, subprocess, sys, time
@@ -284,6 +284,12 @@ def make_runners(cfg:BenchConfig) -> tuple: # ({name: Runner}, {name: why it was
             skipped[name] = f"not installed ({e.name}): {how}"
     return runners, skipped
 
+def make_runner(cfg:BenchConfig, name:str) -> Runner:
+    "One implementation built alone, as its own reference (to profile it, or measure its memory), or a ValueError that says why it cannot run."
+    runners, skipped = make_runners(replace(cfg, impls=(name,), reference=name))
+    if name not in runners: raise ValueError(f"{name} {skipped[name]}")
+    return runners[name]
+
 # %% ../nbs/15_performance.ipynb #b1500015
 def _autocast(cfg:BenchConfig):
     "Autocast to the benchmark's low precision on CUDA; nothing in fp32 (the hook for the precision work)."
@@ -428,7 +434,7 @@ def _peak_child(name:str, cfg_json:str, phase:str):
     "In a fresh process: the peak resident memory of one phase's windows (memories filling, then full) above the built model, in the benchmark's precision."
     cfg = BenchConfig(**json.loads(cfg_json))
     if cfg.threads: torch.set_num_threads(cfg.threads)
-    r = make_runners(replace(cfg, impls=(name,), reference=name))[0][name]   # (built alone: it is its own reference)
+    r = make_runner(cfg, name)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s))
     if r.compiled: r.warm_up(phase, lambda i: (x, x), cfg)       # a compiled model compiles first: not the model's memory
     r.reset(); gc.collect()
@@ -525,7 +531,7 @@ def profile_table(cfg:BenchConfig, # sizes and device
     from torch.profiler import profile, ProfilerActivity
     if phase not in ('train', 'infer'): raise ValueError(f"phase={phase!r}: use 'train' or 'infer'")
     if cfg.threads: torch.set_num_threads(cfg.threads)
-    r = make_runners(replace(cfg, impls=(impl,)))[0][impl]
+    r = make_runner(cfg, impl)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s), device=cfg.device)
     cuda = cfg.device.startswith('cuda')
     r.warm_up(phase, lambda i: (x, x), cfg)

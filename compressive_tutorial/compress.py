@@ -136,10 +136,10 @@ class DilatedConvCompressor(Compressor):
                  kernel_size:int=3, # kernel of the dilated convolutions (odd, so "same" padding is symmetric)
                 ):
         super().__init__(d_model, c)
-        if n_layers < 1: raise ValueError(f"n_layers must be >= 1, got {n_layers}: use 'conv' for no dilated layers")
-        if kernel_size < 1 or kernel_size % 2 == 0:
+        n_layers = check_int(n_layers, 'n_layers', hint=": use 'conv' for no dilated layers")
+        if check_int(kernel_size, 'kernel_size') % 2 == 0:
             raise ValueError(f"kernel_size must be odd so the padding keeps the length, got {kernel_size}: use 3 or 5")
-        self.n_layers, self.kernel_size = n_layers, kernel_size
+        self.n_layers, self.kernel_size = n_layers, int(kernel_size)
         self.dilated = nn.ModuleList(
             nn.Conv1d(d_model, d_model, kernel_size, dilation=2**i, padding=2**i * (kernel_size - 1) // 2)
             for i in range(n_layers))

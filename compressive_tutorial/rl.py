@@ -13,7 +13,7 @@ __all__ = ['NONMATCH_ID', 'MINIGRID_ID', 'CORES', 'EPISODE_KEYS', 'NEUTRAL_FIELD
            'reach_by_offset', 'predicted_success', 'memory_plan']
 
 # %% ../nbs/12_rl.ipynb #4640f7ac
-import contextlib, copy, json, math, multiprocessing, numbers, os, re, shutil, time
+import contextlib, copy, json, math, multiprocessing, os, re, shutil, time
 from collections import deque
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -209,9 +209,9 @@ def make_minigrid_memory(size:int=7, # the grid is size x size; odd, >= 7 (MiniG
     "MiniGrid's Memory task with a small view, wrapped by `MiniGridMemory`."
     try: from minigrid.envs import MemoryEnv
     except ImportError: raise ImportError("the MiniGrid Memory task needs the minigrid package: pip install minigrid") from None
-    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 7 or size % 2 == 0: raise ValueError(f"size={size!r} must be an odd int >= 7.")
-    if isinstance(view, bool) or not isinstance(view, numbers.Integral) or view < 3 or view % 2 == 0: raise ValueError(f"view={view!r} must be an odd int >= 3.")
-    size, view = int(size), int(view)                                  # (numpy integers too, e.g. from np.arange)
+    size, view = check_int(size, 'size', 7, ', and odd'), check_int(view, 'view', 3, ', and odd')   # (numpy integers too, e.g. from np.arange)
+    for name, v in (('size', size), ('view', view)):
+        if v % 2 == 0: raise ValueError(f"{name}={v} must be odd, as MiniGrid's Memory task requires.")
     return MiniGridMemory(MemoryEnv(size=size, random_length=random_length, max_steps=max_steps, agent_view_size=view), start_in_room, last_action)
 
 MINIGRID_ID = 'compressive_tutorial/MiniGridMemory-v0'
@@ -975,9 +975,8 @@ def evaluate_agent(agent:Agent, # a trained agent
 def _eval_args(delays, episodes_per_env) -> tuple:
     "The evaluation's delays and episodes as plain ints (numpy integers from a sweep welcome): they are compared with saved results and saved as JSON."
     ds = delays.tolist() if isinstance(delays, np.ndarray) else list(delays)
-    bad = [D for D in ds if isinstance(D, bool) or not isinstance(D, numbers.Integral)]
-    if bad: raise ValueError(f"delays must be ints (fixed delays D), got {bad}: pass e.g. delays=(1, 4) or np.arange(1, 5).")
-    return [int(D) for D in ds], check_int(episodes_per_env, 'episodes_per_env')
+    return ([check_int(D, f'delays[{i}]', 0, ' (fixed delays D): pass e.g. delays=(1, 4) or np.arange(1, 5)') for i, D in enumerate(ds)],
+            check_int(episodes_per_env, 'episodes_per_env'))
 
 NEUTRAL_FIELDS = ('progress', 'threads', 'ckpt_every')   # RLConfig fields a saved result or checkpoint is reused across: the progress
                                                          # bar, the thread count (at most the last bits of a sum), how often it saves

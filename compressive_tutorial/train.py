@@ -216,8 +216,7 @@ def evaluate(model:nn.Module, # a model of the package's interface
              **forward_kwargs # other evaluation-time overrides passed to every forward call
             ) -> dict: # loss (nats/token), bpb, ppl, tokens, nats, and word_ppl when n_words is given
     "Mean loss, bits per byte and perplexity (and word-level perplexity) of `model` over `loader`."
-    if max_batches is not None and not max_batches >= 1:
-        raise ValueError(f"evaluate: max_batches={max_batches!r} must be >= 1 (None: the whole loader)")
+    max_batches = check_int(max_batches, 'evaluate: max_batches', none='the whole loader')
     if mem_len is not None: forward_kwargs['n_m'] = mem_len
     params = inspect.signature(model.forward).parameters
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
@@ -564,6 +563,7 @@ class Trainer:
            ) -> list: # the history
         "Train until `self.step == steps`: log, evaluate and checkpoint as the config says; stop safely on a signal or a NaN."
         cfg = self.cfg
+        steps = check_int(steps, 'fit: steps', 0, ' (the total of iterations to reach)')
         if steps < self.step: raise ValueError(f"fit(steps={steps}): the trainer is already at step {self.step}; pass a larger total")
         with contextlib.ExitStack() as held:
             self._lock(held)                                                    # rule 4 (rank 0 only)
@@ -800,7 +800,7 @@ def top_k_filter(logits:Tensor, # (..., V)
                  k:int # tokens to keep
                 ) -> Tensor: # (..., V): -inf outside the k largest (ties with the k-th are kept)
     "Keep the k most likely tokens."
-    if not isinstance(k, int) or k < 1: raise ValueError(f"top_k={k!r} must be an int >= 1 (or None for no top-k)")
+    k = check_int(k, 'top_k', hint=' (None in `sample`: no top-k)')
     kth = logits.topk(min(k, logits.shape[-1]), dim=-1).values[..., -1:]       # (..., 1) the k-th largest logit
     return logits.masked_fill(logits < kth, float('-inf'))
 
