@@ -115,7 +115,7 @@ class AttentionBuckets:
     mass:Tensor      # (N, L, 3) float64 share of the attention on [cm, m, window] per sample and layer
     n_buckets:int    # buckets per segment
     n_cm:int         # compressed memory slots the samples had
-    n_m:int          # memory slots the samples had (at least n_m)
+    n_m:int          # memory slots the samples had: n_m, or whole blocks of c where c does not divide it (`held_memory`)
     n_s:int          # window length (queries per sample)
     queries:str      # 'all' or 'visible' (see `attention_buckets`)
     windows:int      # loader windows read (warm-up included)
@@ -194,17 +194,20 @@ def collect_attention(model:CompressiveTransformer, # a model with `record_atten
     _check_recordable(model, n_windows)
     n_m = model.n_m if n_m is None else n_m
     n_cm = model.n_cm if n_cm is None else n_cm
-    vals, masses, T, read = [], [], None, 0
+    vals, masses, T, read, gaps = [], [], None, 0, 0
     for x, y, reset, before, recs in _recorded_windows(model, loader, n_windows, n_m, n_cm):
         rows = _full_rows(before, reset, y, n_m, n_cm)                            # (B,) samples that count
-        read, T = read + 1, x.shape[1]
+        read, T, gaps = read + 1, x.shape[1], gaps + int((y == -100).any(1).sum())
         if rows.any():
             vals.append(torch.stack([attention_buckets(r, n_buckets, queries)[rows] for r in recs], 1).cpu())  # (b, L, 3nb)
             masses.append(torch.stack([segment_mass(r)[rows] for r in recs], 1).cpu())                         # (b, L, 3)
     if not vals:
-        raise ValueError(f"no window had full memories in {read} windows: read more than "
+        why = (f"; {gaps} (window, stream) samples had a position without a target (-100: padding, or a task that scores only "
+               "some positions, as the recall task does), and such samples never count" if gaps else '')
+        raise ValueError(f"no window had full memories and a target at every position in {read} windows{why}: read more than "
                          f"warmup_windows(n_s, n_m={n_m}, n_cm={n_cm}, c) windows (and check the loader's resets).")
-    return AttentionBuckets(torch.cat(vals), torch.cat(masses), n_buckets, n_cm, n_m, T, queries, read)
+    held = held_memory(n_m, n_cm, model.cfg.c)                                  # what the memory holds: whole blocks of c
+    return AttentionBuckets(torch.cat(vals), torch.cat(masses), n_buckets, n_cm, held, T, queries, read)
 
 # %% ../nbs/07_analysis.ipynb #f8db51e6
 SEGMENT_COLORS = {'cm': '#f4a259', 'm': '#8ecae6', 'window': '#023047'}     # the colours of notebook 05's FIFO plots

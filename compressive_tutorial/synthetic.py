@@ -177,16 +177,18 @@ def recall_accuracy(model:nn.Module, # a model of the package's interface
                     seed:int=1234, # test streams are seeded by (seed + 7919 D, stream): apart from training's
                     by_offset:bool=False # also return accuracy and counts per query offset 0..n_s-1
                    ): # accuracy, or (accuracy, [accuracy per offset], [queries per offset])
-    "Fraction of queries whose arg-max prediction is the cue D+1 tokens back, on fresh test streams."
+    "Fraction of the first `queries_per_stream` queries of each fresh test stream whose arg-max prediction is the cue D+1 tokens back (later queries are not scored: their offsets would not be uniform)."
     dev = next(iter(model.buffers()), None)
     dev = next(model.parameters()).device if dev is None else dev.device
     n_windows = math.ceil((n_s - 1 + queries_per_stream * task.episode_len(D)) / n_s)
     was = model.training; model.eval()
-    hit, cnt, state = torch.zeros(n_s), torch.zeros(n_s), None
+    hit, cnt, state, seen = torch.zeros(n_s), torch.zeros(n_s), None, 0
     try:
         for b in RecallStream(task, batch_size, n_s, D=D, n_windows=n_windows, seed=seed + 7919 * D, device=dev):
             logits, _, state = model(b.x, state, reset=b.reset)                # (B, n_s, V)
-            m = b.y != -100                                                   # (B, n_s) the queries
+            q = b.y != -100                                                   # (B, n_s) the queries
+            m = q & (seen + q.cumsum(1) <= queries_per_stream)                # the first queries_per_stream of each stream
+            seen = seen + q.sum(1, keepdim=True)                              # (B, 1)
             hit += ((logits.argmax(-1) == b.y) & m).sum(0).float().cpu(); cnt += m.sum(0).float().cpu()   # (n_s,)
     finally: model.train(was)
     acc = float(hit.sum() / cnt.sum())
