@@ -486,7 +486,9 @@ def eval_across_memory_sizes(model:CompressiveTransformer, # a trained Compressi
 
 class _Unscored:
     "The windows of `loader`, the first `skip` with every target set to -100: `evaluate` reads them (the memories fill) and scores the rest. It keeps the loader's batch size, which `evaluate` shards by."
-    def __init__(self, loader, skip:int): self.loader, self.skip, self.batch_size = loader, skip, getattr(loader, 'batch_size', None)
+    def __init__(self, loader, skip:int):
+        self.loader, self.skip = loader, skip
+        if hasattr(loader, 'batch_size'): self.batch_size = loader.batch_size   # (a list has none: `evaluate` reads it whole on every rank)
     def __iter__(self):
         for i, b in enumerate(self.loader): yield b._replace(y=torch.full_like(b.y, -100)) if i < self.skip else b
 

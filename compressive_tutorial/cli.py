@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.distributed as dist
-from compressive_tutorial.data import (
+from .data import (
     SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, check_int, download_file, encode_documents, load_books, load_enwik8, read_text,
-    strip_gutenberg)
+    strip_gutenberg, _PG_START)
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
 from .train import (
@@ -280,6 +280,7 @@ def split_bytes(tokens:np.ndarray, # (N,) all bytes of one text
 def load_corpus(corpus:str, # 'enwik8', 'books', a folder of .txt books, or a .txt file
                 download=download_file, # how Enwik8 (or the books, where not shared) is fetched when not cached (tests pass a fake)
                 cache=None, # Enwik8's cache folder (None: `data_cache_dir()`)
+                strip:bool=True, # a .txt file: remove a Project Gutenberg header and licence, as `load_books` does (False: the whole file)
                 **enwik8_kw, # other `load_enwik8` arguments (a fixture's size, md5, n_valid, n_test)
                ) -> dict: # {'train', 'valid', 'test'}: byte-level `Corpus` splits
     "The three byte-level splits of a corpus, each a Corpus with its document starts."
@@ -288,7 +289,12 @@ def load_corpus(corpus:str, # 'enwik8', 'books', a folder of .txt books, or a .t
     if corpus == 'books': path, docs = 'the books', load_books(books_folder(download))   # shared, else fetched (notebook 00)
     else:
         path = Path(corpus).expanduser()
-        if path.is_file(): return split_bytes(ByteTokenizer().encode_array(strip_gutenberg(read_text(path)[0])), path.name)   # (as the books)
+        if path.is_file():
+            text = read_text(path)[0]
+            if strip and len(_PG_START.findall(text)) > 1:                 # strip_gutenberg would keep the first book alone
+                raise ValueError(f"{path} holds {len(_PG_START.findall(text))} Project Gutenberg books: put each in a .txt file of its own "
+                                 "and pass their folder (each is stripped of its header and licence and kept whole in one split)")
+            return split_bytes(ByteTokenizer().encode_array(strip_gutenberg(text) if strip else text), path.name)
         if not path.is_dir():
             raise FileNotFoundError(f"corpus {corpus!r} is neither 'enwik8', 'books', a folder of .txt books nor a .txt file: check the path")
         docs = load_books(path)
@@ -348,6 +354,17 @@ class Run:
                               "(a book added, removed or edited moves books between splits; in one .txt file, bytes). Restore the "
                               "files, or start a new run on the data as it is now")
         return key
+
+    def load_data(self, download=download_file, cache=None) -> dict: # {split: Corpus}
+        "The run's corpus (`load_corpus`), refused if it is not what the run started with (`check_data`). A run on one .txt file started before `load_corpus` removed Project Gutenberg boilerplate (2026-11-28) goes on with the whole file, as it started."
+        corpora = load_corpus(self.corpus, download=download, cache=cache)
+        key = lambda c: json.loads(json.dumps(_data_key(c)))              # as config.json holds it
+        one_file = self.corpus not in ('enwik8', 'books') and Path(self.corpus).is_file()
+        if one_file and self.data is not None and key(corpora) != self.data:
+            whole = load_corpus(self.corpus, strip=False)
+            if key(whole) == self.data: corpora = whole                   # the bytes it started on
+        self.data = self.check_data(corpora)
+        return corpora
 
     def load_model(self, device='cpu') -> tuple: # (model in eval mode, the training step of its weights)
         "The model rebuilt from the config, with the checkpoint's weights (refused if it was written for another model)."
@@ -477,8 +494,7 @@ def train_run(run:Run, # the run: its folder and configs (`run_from_args`)
              ) -> dict: # the final validation: loss, bpb, ppl, tokens, nats
     "Load the corpus, build the model, train it with `Trainer` (checkpointing into the run folder) and validate it."
     t0, out, R = time.perf_counter(), run.path, run.run
-    corpora = load_corpus(run.corpus, download=download, cache=cache)                    # 1. the data
-    run.data = run.check_data(corpora)                                                  # the same as when the run started
+    corpora = run.load_data(download, cache)                                            # 1. the data, the same as when the run started
     u = windows_per_call(run.model)                                                     # BPTT: B/2 streams of 2 windows per call
     train_dl = _loader(corpora['train'], 'train', R.batch_size // u, run.model.n_s * u)
     valid_dl = _loader(corpora['valid'], 'valid', R.eval_batch_size, run.model.n_s)
@@ -575,8 +591,7 @@ def eval_command(args, download=download_file) -> int:
     B = args.batch_size or run.run.eval_batch_size
     device = _device(args.device or run.run.device)
     model, step = run.load_model(device)                               # a damaged or foreign checkpoint is refused before the data
-    corpora = load_corpus(run.corpus, download=download, cache=args.cache)
-    run.check_data(corpora)                                            # scored on the splits it was trained beside
+    corpora = run.load_data(download, args.cache)                      # scored on the splits it was trained beside
     loader = _loader(corpora[args.split], args.split, B, run.model.n_s, 'pass fewer streams with --batch-size')
     kw = {} if args.n_cm is None else dict(n_cm=args.n_cm)
     t0 = time.perf_counter()

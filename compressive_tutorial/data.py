@@ -387,7 +387,7 @@ def load_books(folder=None, # a folder of .txt books; None: the books corpus, `b
     files = sorted(folder.glob('*.txt'))
     if not files: raise ValueError(f'empty corpus: {folder} has no .txt files')
     table = read_split_table(folder/split_file) if (folder/split_file).is_file() else {}
-    full = set(SPLITS) <= set(table.values())                           # the table fills every split: the other files by hash alone,
+    full = set(SPLITS) <= {table[f.name] for f in files if f.name in table}   # the table fills every split: the others by hash alone,
     rest = hash_split([f.name for f in files if f.name not in table], valid_frac, test_frac, fill=not full)   # so none moves when one is added
     splits = {s: [] for s in SPLITS}
     for f in files:
@@ -536,7 +536,7 @@ def train_sentencepiece(texts, # training text: a str, or a list of str / `Docum
         need = re.search(r'required_chars\D*(\d+) vs (\d+)', str(e))
         if need is None: raise
         raise ValueError(f'vocab_size={vocab_size} is too small for this text: with byte fallback sentencepiece needs {need[2]} pieces '
-                         f'before any merge (256 + 4, and one per character it keeps): use more than {need[2]}') from None
+                         f'before any merge (256 + 4, and one per character it keeps): use at least {need[2]}') from None
     return SubwordTokenizer(model.getvalue())
 
 def sample_lines(lines, # any iterable of lines, read once

@@ -16,7 +16,7 @@ import torch
 from .data import ENWIK8_URL, Batch, StreamLoader, check_int, data_cache_dir, fixture_download
 from .checkpoint import IMPL_FIELDS, write_atomic
 from .model import CTConfig, build_model, windows_per_call
-from .train import TrainConfig, Trainer, dist_rank_world, evaluate, hardware, seed_everything
+from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
 from .analysis import eval_across_memory_sizes, plot_memory_sweep, warmup_windows
 from .cli import load_corpus, n_params, paper_schedule
 from .experiments import _data_key
@@ -253,6 +253,7 @@ def evaluate_protocol(model, # a trained Compressive Transformer (e.g. `train_pr
                       sizes:list|None=None, # compressed memory sizes for the validation sweep (None: `sweep_sizes`)
                       valid_batches:int|None=None, # scored windows of the validation sweep, after the warm-up (None: the whole split)
                       test_batches:int|None=None, # windows of the test evaluation (None: the whole split, every byte once)
+                      shard:bool=False, # under torchrun, when every rank calls it: each rank reads its block of streams (`evaluate`)
                      ) -> dict: # sweep rows, the chosen size, and the test results at it and at the training size
     "The paper's evaluation: sweep n_cm on the validation split, then bits per character on the test split."
     got, want = asdict(model.cfg), asdict(preset.model_config())
@@ -266,7 +267,6 @@ def evaluate_protocol(model, # a trained Compressive Transformer (e.g. `train_pr
     sizes = sweep_sizes(preset) if sizes is None else sizes
     if not sizes: raise ValueError("evaluate_protocol got no sizes: pass None (sweep_sizes) or a list of n_cm values")
     skip = warmup_windows(n_s, preset.n_m, max(sizes), preset.c)        # the windows that fill the largest size: read, not scored
-    shard = dist_rank_world()[1] > 1                                    # under torchrun: each rank reads its block of streams
     sweep = eval_across_memory_sizes(model, StreamLoader(data['valid'], B, n_s), sizes, skip=skip,
                                      max_batches=None if valid_batches is None else skip + valid_batches, shard=shard)
     best = min(sweep, key=lambda r: r['bpb'])['n_cm']

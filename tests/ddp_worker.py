@@ -71,7 +71,8 @@ def main(phase, out):
         model, dl = make(); seen = []
         model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
         rows = eval_across_memory_sizes(model, dl, [0, 4], skip=1, shard=True)
-        if rank == 0: (out/f'sweep-{world}.json').write_text(json.dumps(dict(rows=rows, batch_sizes=sorted(set(seen)), windows=len(seen))))
+        listed = eval_across_memory_sizes(model, list(dl), [0, 4], skip=1, shard=True)   # a list of windows: no batch size of its own
+        if rank == 0: (out/f'sweep-{world}.json').write_text(json.dumps(dict(rows=rows, listed=listed, batch_sizes=sorted(set(seen)), windows=len(seen))))
     if phase == 'signals':                                # SIGTERM on rank 0 alone, at step 3, just after the stop agreement
         got = {}
         for where in ('_agree', 'evaluate'):              # ... after its all-reduce returned / in the evaluation that follows it

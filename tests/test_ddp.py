@@ -73,8 +73,8 @@ def test_ddp_metrics_equal_one_process(runs):
 def test_ddp_memory_sweep_equals_one_process(runs):
     "eval_across_memory_sizes(shard=True) on 2 ranks: each reads its half of the streams, and the rows are one process's."
     two, one = (json.loads((runs/f'sweep-{w}.json').read_text()) for w in (2, 1))
-    assert (two['batch_sizes'], one['batch_sizes'], two['windows'], one['windows']) == ([2], [4], one['windows'], 2 * 6), (two, one)   # 2 sizes x 6 windows
-    for a, b in zip(two['rows'], one['rows']):
+    assert (two['batch_sizes'], one['batch_sizes'], two['windows'], one['windows']) == ([2], [4], one['windows'], 4 * 6), (two, one)   # 2 calls x 2 sizes x 6 windows
+    for a, b in zip(two['rows'] + two['listed'], one['rows'] + one['rows']):
         assert {k: v for k, v in a.items() if k != 'loss' and k != 'bpb'} == {k: v for k, v in b.items() if k != 'loss' and k != 'bpb'}
         assert abs(a['loss'] - b['loss']) <= 1e-6 * b['loss'], (a, b)
 
