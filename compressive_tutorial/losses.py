@@ -185,6 +185,7 @@ def compression_loss(loss:str|CompressionLoss, # 'attention', 'autoencode', 'bpt
     loss = CompressionLoss(loss)
     if loss is CompressionLoss.ATTENTION:
         if attn is None: raise ValueError("the 'attention' loss needs the layer's attention module: pass attn=")
+        if h is None: raise ValueError("the 'attention' loss needs the layer's input window, which its queries read: pass h=")
         return attention_reconstruction_loss(h, old, new_cm, attn)
     if loss is CompressionLoss.AUTOENCODE:
         if decoder is None: raise ValueError("the 'autoencode' loss needs a decoder g: pass decoder=make_decoder(name, d_model, c)")

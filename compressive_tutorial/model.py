@@ -386,7 +386,7 @@ def ct_temporal_range(n_layers:int, # l: number of layers
                       n_cm:int, # compressed memory slots per layer
                       c:int # compression rate
                      ) -> int: # tokens beyond the query's own window
-    "Maximum temporal range of a Compressive Transformer, $l \\times (n_m + c\\, n_{cm})$ (§3.3). With $c \\nmid n_m$ the model holds more memory than $n_m$ (`held_memory`; `memory_summary` counts it)."
+    "Maximum temporal range of a Compressive Transformer by the paper's formula, $l \\times (n_m + c\\, n_{cm})$ (§3.3): exact when $n_m + c\\, n_{cm}$ is a multiple of $n_s$ (else `ct_dependency_reach` gives the exact reach, a little further with 2+ layers). With $c \\nmid n_m$ the model holds more memory than $n_m$ (`held_memory`; `memory_summary` counts it)."
     return n_layers * (n_m + c * n_cm)
 
 def attention_cost(n_s:int, # window length (queries per window)
@@ -440,7 +440,7 @@ def build_model(kind:str, # a key of `MODEL_KINDS`: 'txl' or 'ct'
 
 def memory_summary(cfg:XLConfig, # an XLConfig (Transformer-XL) or a CTConfig (Compressive Transformer)
                   ) -> dict: # n_s, n_m, n_cm, c, keys per query, attention cost, temporal range
-    "What a configuration's attention costs per layer and window, and how far back it reaches (§3.3)."
+    "What a configuration's attention costs per layer and window, and how far back it reaches by the paper's formula (§3.3; `ct_temporal_range`)."
     if not isinstance(cfg, XLConfig): raise TypeError(f"memory_summary needs an XLConfig or a CTConfig, got {type(cfg).__name__}")
     n_cm, c = (cfg.n_cm, cfg.c) if isinstance(cfg, CTConfig) else (0, 1)      # Transformer-XL: no compressed memory
     m = held_memory(cfg.n_m, n_cm, c)                                         # n_m, rounded up to whole blocks of c with n_cm > 0
