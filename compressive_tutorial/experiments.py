@@ -11,7 +11,7 @@ from dataclasses import asdict, fields, MISSING
 from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
-from .checkpoint import write_atomic
+from .checkpoint import load_checkpoint, write_atomic
 from .data import Corpus, StreamLoader, check_int, encode_documents, load_books
 from .xl import XLConfig
 from .model import CTConfig, build_model, held_memory, memory_summary, windows_per_call
@@ -67,6 +67,15 @@ def _stale(saved:dict, # a saved result's config as JSON stored it, {field: valu
     "Fields of `cfg` (outside `_NOT_IN_KEY`) whose saved value differs: the key, made of non-default fields, cannot see that."
     now = json.loads(json.dumps(asdict(cfg)))
     return [k for k, v in now.items() if k not in _NOT_IN_KEY and k in saved and saved[k] != v]
+
+def _resume(path, train_cfg:TrainConfig, *args, **kw) -> Trainer:
+    "`Trainer.resume` from a run's own interrupted checkpoint, refused if it was trained under other values of `train_cfg`: the key holds non-default fields only, so a default changed since would go unseen, and the run would mix two settings while its result recorded one."
+    saved = load_checkpoint(path)[1]['cfg']
+    stale = _stale(saved, train_cfg)
+    if stale: raise ValueError(f"{path} was trained with {', '.join(f'{k}={saved[k]!r}' for k in stale)}, and this call asks for "
+                               f"{', '.join(f'{k}={getattr(train_cfg, k)!r}' for k in stale)} (a default changed since): delete "
+                               f"{Path(path).parent} to train again, or pass the old values")
+    return Trainer.resume(path, *args, train_cfg, **kw)
 
 def _check_split(data:dict, split:str, streams:int, length:int, fix:str):
     "A clear error where `data[split]` cannot give even one window of `streams` x `length` tokens (plus the shifted target)."
@@ -162,7 +171,7 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
                              f"lower eval_windows={eval_windows} or eval_batch_size")
     ckpt = None if cache is None else wpath.with_suffix('.ckpt')                     # while it trains: an exact-resume checkpoint
     if ckpt is not None and (ckpt/'last.safetensors').is_file():                      # an earlier call was interrupted: go on from there
-        trainer = Trainer.resume(ckpt/'last.safetensors', model, train_dl, valid_dl, train_cfg, ckpt_dir=ckpt)
+        trainer = _resume(ckpt/'last.safetensors', train_cfg, model, train_dl, valid_dl, ckpt_dir=ckpt)
         if verbose: print(f'{name}: resuming at step {trainer.step} of {steps} from {ckpt}')
     else: trainer = Trainer(model, train_dl, valid_dl, train_cfg, ckpt_dir=ckpt)
     resumed_at = trainer.step

@@ -28,7 +28,7 @@ from .xl import TransformerXL, lm_loss
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, compression_parameters, evaluate, hardware, sample, seed_everything
 from .checkpoint import load_weights, write_atomic
-from .experiments import equal_cost_pair, run_label, _nondefault, _stale, _check_split, _data_key, _run_key, _run_stem, _sync
+from .experiments import equal_cost_pair, run_label, _nondefault, _stale, _resume, _check_split, _data_key, _run_key, _run_stem, _sync
 from .cli import n_params
 
 # %% ../nbs/11_speech.ipynb #48a9e0b7
@@ -495,7 +495,7 @@ def model_summary(kind:str, # 'txl', 'ct' or 'wavenet'
                   cfg, # its config
                   sample_rate:int=SAMPLE_RATE,
                  ) -> dict: # name, params, compression params, reach (samples and ms), attention cost
-    "What a model of the comparison is: its size, and how far back its output can depend on the input."
+    "What a model of the comparison is: its size, and how far back it reads: the WaveNet's receptive field less one, a transformer's temporal range (§3.3), counted beyond the window its query is in (up to n_s - 1 more inside it)."
     model = build_model(kind, cfg)
     comp = sum(p.numel() for p in compression_parameters(model))
     if kind == 'wavenet': reach, cost = cfg.receptive_field - 1, None
@@ -531,12 +531,15 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
                folder=None, # keep checkpoints and the result here, resume and reload from here (None: keep nothing)
                time_budget_s:float|None=None, # stop after the first evaluation past this many seconds (None: run to the end)
                verbose:bool=True, # print one line with the result, the wall time, the hardware and the config
+               sample_rate:int=SAMPLE_RATE, # the rate the codes were made at (`load_ljspeech`'s): the reach in milliseconds only
               ) -> dict: # the result: test curve, final test and valid bits per sample, what the run was, and the model
     "Train one model on LJ Speech in chunks and measure test bits per sample as it learns; resumable and cached."
     missing = [s for s in SPLITS if s not in data]
     if missing: raise ValueError(f"data has no split(s) {missing}: pass {{'train': ..., 'valid': ..., 'test': ...}} (load_ljspeech())")
     steps, batch_size, chunk, eval_every, eval_streams, eval_chunks = (check_int(v, k) for k, v in (('steps', steps),
         ('batch_size', batch_size), ('chunk', chunk), ('eval_every', eval_every), ('eval_streams', eval_streams), ('eval_chunks', eval_chunks)))
+    if train_cfg.eval_every: raise ValueError(f"train_cfg.eval_every={train_cfg.eval_every}: speech_run measures the test samples itself, "
+                                              "every eval_every steps (its own argument); set train_cfg.eval_every=0")
     if time_budget_s is not None and folder is None:
         raise ValueError('time_budget_s needs folder=...: without a checkpoint, a run stopped at its budget would start again from step 0')
     build_model(kind, cfg)                                                          # checks kind and config first
@@ -568,7 +571,7 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
         res.update(model=model.eval(), cached=True)
         if verbose: print(describe_speech(res))
         return res
-    if ckpt is not None and ckpt.is_file(): trainer = Trainer.resume(ckpt, model, train_dl, None, train_cfg, ckpt_dir=run_dir)   # 2. continue ...
+    if ckpt is not None and ckpt.is_file(): trainer = _resume(ckpt, train_cfg, model, train_dl, None, ckpt_dir=run_dir)   # 2. continue ...
     else: trainer = Trainer(model, train_dl, None, train_cfg, ckpt_dir=run_dir)    # ... or train (run_dir locked while it fits)
     tests = lambda: [h for h in trainer.history if 'test_bps' in h]
     points = sorted({*range(eval_every, steps, eval_every), steps})
@@ -589,7 +592,7 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
                eval_samples=last['test_samples'], valid_samples=va['tokens'], steps=steps, batch_size=batch_size, chunk=chunk,
                train_samples=steps * batch_size * chunk, wall_s=last['train_s'],
                eval_s=sum(h['eval_s'] for h in tests()) + time.perf_counter() - t0, curve=trainer.history,
-               **{k: v for k, v in model_summary(kind, cfg).items() if k not in ('kind', 'name')},
+               **{k: v for k, v in model_summary(kind, cfg, sample_rate).items() if k not in ('kind', 'name')},
                hardware=hardware(dev, train_cfg.precision), device=dev.type, seed=seed, key=key, cached=False, date=time.strftime('%Y-%m-%d %H:%M'),
                cfg=asdict(cfg), train_cfg=asdict(train_cfg),
                eval_streams=eval_streams, eval_chunks=eval_chunks)

@@ -83,6 +83,7 @@ def run_words(kind:str, # 'txl' or 'ct'
     cache = run_kw.get('cache')
     wpath = None if cache is None else Path(cache)/f"words-{res['key']}-{sum(data['words'].values())}.json"
     if wpath is not None and res.get('cached') and wpath.is_file(): return {**res, **json.loads(wpath.read_text())}
+    if wpath is not None: wpath.unlink(missing_ok=True)                  # trained now: an older model's scores must not survive a stop
     t0, out = time.perf_counter(), {}
     for s in ('valid', 'test'):
         ev = evaluate_words(res['model'], data['corpora'][s], data['words'][s], eval_batch_size, train_cfg.precision)
