@@ -291,8 +291,9 @@ def load_corpus(corpus:str, # 'enwik8', 'books', a folder of .txt books, or a .t
         path = Path(corpus).expanduser()
         if path.is_file():
             text = read_text(path)[0]
-            if strip and len(_PG_START.findall(text)) > 1:                 # strip_gutenberg would keep the first book alone
-                raise ValueError(f"{path} holds {len(_PG_START.findall(text))} Project Gutenberg books: put each in a .txt file of its own "
+            books = len(_PG_START.findall(text))
+            if strip and books > 1:                                         # strip_gutenberg would keep the first book alone
+                raise ValueError(f"{path} holds {books} Project Gutenberg books: put each in a .txt file of its own "
                                  "and pass their folder (each is stripped of its header and licence and kept whole in one split)")
             return split_bytes(ByteTokenizer().encode_array(strip_gutenberg(text) if strip else text), path.name)
         if not path.is_dir():
