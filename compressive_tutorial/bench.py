@@ -9,8 +9,8 @@ __all__ = ['IMPLS', 'BENCH_CPU', 'BENCH_GPU', 'RUNNERS', 'BenchConfig', 'ct_flop
            'run_spread', 'profile_table']
 
 # %% ../nbs/15_performance.ipynb #b1500004
-import contextlib, gc, json, math, os, re, statistics, subprocess, sys, time
-from dataclasses import dataclass, asdict, field, replace
+import contextlib, gc, json, re, statistics, subprocess, sys, time
+from dataclasses import dataclass, asdict, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

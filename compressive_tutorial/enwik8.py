@@ -18,7 +18,7 @@ from .checkpoint import IMPL_FIELDS, write_atomic
 from .model import CTConfig, build_model, windows_per_call
 from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
 from .analysis import eval_across_memory_sizes, plot_memory_sweep, warmup_windows
-from .cli import load_corpus, n_params, paper_schedule
+from .cli import n_params, paper_schedule
 from .experiments import _data_key
 
 # %% ../nbs/13_enwik8.ipynb #302c478c

@@ -6,7 +6,7 @@
 __all__ = ['TABLE_COLUMNS', 'books_corpora', 'equal_cost_pair', 'run_label', 'run', 'describe', 'results_table', 'plot_curves']
 
 # %% ../nbs/09_books_char.ipynb #036c09e6
-import hashlib, json, math, re, shutil, time
+import hashlib, json, re, shutil, time
 from dataclasses import asdict, fields, MISSING
 from pathlib import Path
 import torch

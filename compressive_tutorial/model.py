@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from .data import check_int
-from .xl import XLConfig, Memory, empty_memory, fifo_push, memory_push, visible_after, mask_memory, XLLayer, TransformerXL, lm_loss, reach_from_visibility
+from .xl import XLConfig, Memory, empty_memory, fifo_push, memory_push, visible_after, mask_memory, XLLayer, TransformerXL, reach_from_visibility
 from .compress import COMPRESSORS, make_compressor, check_divisible, attention_usage
 from .losses import CompressionLoss, make_decoder, compression_loss, check_compression_setup, projected_reconstruction_loss
 

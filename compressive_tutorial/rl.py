@@ -13,7 +13,7 @@ __all__ = ['NONMATCH_ID', 'MINIGRID_ID', 'CORES', 'EPISODE_KEYS', 'NEUTRAL_FIELD
            'reach_by_offset', 'predicted_success', 'memory_plan']
 
 # %% ../nbs/12_rl.ipynb #4640f7ac
-import contextlib, copy, json, math, multiprocessing, os, re, shutil, time
+import contextlib, copy, json, math, multiprocessing, re, shutil, time
 from collections import deque
 from dataclasses import dataclass, field, asdict
 from pathlib import Path

@@ -10,10 +10,9 @@ __all__ = ['evaluate_words', 'subword_data', 'vocab_sweep', 'word_train_config',
 import json, math, time
 from pathlib import Path
 import numpy as np
-import torch
 from .data import PG19_BOOKS, PG19_WORDS, SPLITS, StreamLoader, count_words, encode_documents, load_pg19, train_sentencepiece
 from .train import TrainConfig, evaluate
-from .experiments import equal_cost_pair, run
+from .experiments import run
 from .checkpoint import write_atomic
 
 # %% ../nbs/14_books_subword.ipynb #3c3d5f1d

@@ -11,7 +11,6 @@ __all__ = ['TXL', 'CT', 'ORDER_DISTANCES', 'ORDER_VARIANTS', 'RecallTask', 'make
 # %% ../nbs/08_long_range_recall.ipynb #4b145f06
 import math, time
 from dataclasses import dataclass, field, asdict, replace
-from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn

@@ -562,7 +562,6 @@ class Trainer:
             bar_total:int|None=None # the progress bar's total (None: `steps`), e.g. the run's length when `fit` is called in pieces
            ) -> list: # the history
         "Train until `self.step == steps`: log, evaluate and checkpoint as the config says; stop safely on a signal or a NaN."
-        cfg = self.cfg
         steps = check_int(steps, 'fit: steps', 0, ' (the total of iterations to reach)')
         if steps < self.step: raise ValueError(f"fit(steps={steps}): the trainer is already at step {self.step}; pass a larger total")
         with contextlib.ExitStack() as held:
