@@ -200,15 +200,16 @@ def verify_file(path, # the file to check
                 digest:str, # expected hex digest (md5 for Enwik8, the published one)
                 what:str='the file', # its name in error messages
                 algo:str='md5', # the digest's `hashlib` algorithm
+                fix:str='Delete it and call again to download it again, or replace it by hand.' # what the message tells to do
                ) -> Path:
     "Check a file's size and digest; raise a ValueError that says what is wrong and what to do."
     path = Path(path)
     n = path.stat().st_size
     if n != size: raise ValueError(f'{path} has {n:,} bytes but {what} has {size:,}: the file is truncated or not '
-                                   f'{what}. Delete it and call again to download it again, or replace it by hand.')
+                                   f'{what}. {fix}'.rstrip())
     got = file_digest(path, algo)
     if got != digest.strip().lower(): raise ValueError(f'{path} has {algo} {got} but {what} has {algo} {digest}: the file is corrupt or not '
-                                       f'{what}. Delete it and call again to download it again, or replace it by hand.')
+                                       f'{what}. {fix}'.rstrip())
     return path
 
 def download_file(url:str, dest, timeout:float=60.) -> Path:
@@ -243,7 +244,7 @@ def _extract_checked(zpath:Path, member:str, dest:Path, size:int, md5:str, what:
             part.unlink(missing_ok=True)
             raise ValueError(f'{zpath} is damaged ({type(e).__name__}: {e}). Delete it and call again: it will be downloaded '
                              'again (or put a good copy there by hand).') from None
-    try: verify_file(part, size, md5, what=f'{what} (extracted from {zpath.name})')
+    try: verify_file(part, size, md5, what=f'{what} (extracted from {zpath.name})', fix='')   # (the fix is the zip's, below)
     except ValueError as e:
         part.unlink(missing_ok=True)
         raise ValueError(f'{zpath} does not hold the {what} it should ({e}). Delete the zip {zpath} and call again: it will '
