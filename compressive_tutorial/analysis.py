@@ -485,10 +485,8 @@ def eval_across_memory_sizes(model:CompressiveTransformer, # a trained Compressi
     return rows
 
 class _Unscored:
-    "The windows of `loader`, the first `skip` with every target set to -100: `evaluate` reads them (the memories fill) and scores the rest. It keeps the loader's batch size, which `evaluate` shards by."
-    def __init__(self, loader, skip:int):
-        self.loader, self.skip = loader, skip
-        if hasattr(loader, 'batch_size'): self.batch_size = loader.batch_size   # (a list has none: `evaluate` reads it whole on every rank)
+    "The windows of `loader`, the first `skip` with every target set to -100: `evaluate` reads them (the memories fill) and scores the rest."
+    def __init__(self, loader, skip:int): self.loader, self.skip = loader, skip
     def __iter__(self):
         for i, b in enumerate(self.loader): yield b._replace(y=torch.full_like(b.y, -100)) if i < self.skip else b
 

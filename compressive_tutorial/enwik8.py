@@ -16,7 +16,7 @@ import torch
 from .data import ENWIK8_URL, Batch, StreamLoader, check_int, data_cache_dir, fixture_download
 from .checkpoint import IMPL_FIELDS, write_atomic
 from .model import CTConfig, build_model, windows_per_call
-from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
+from .train import TrainConfig, Trainer, dist_rank_world, evaluate, hardware, seed_everything
 from .analysis import eval_across_memory_sizes, plot_memory_sweep, warmup_windows
 from .cli import n_params, paper_schedule
 from .experiments import _data_key
@@ -199,13 +199,14 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     "Start the run in `folder`, or continue it from its last checkpoint; train in chunks of `ckpt_every`, saving after each."
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
     spec, fspec = _spec(preset, data), folder/'protocol.json'
+    writes = dist_rank_world()[0] == 0                                  # under torchrun rank 0 alone writes the run's files, as the trainer does
     if fspec.exists():
         old = json.loads(fspec.read_text())
         if old != json.loads(json.dumps(spec)):
             diff = sorted({k for k in spec['preset'] if old['preset'].get(k) != spec['preset'][k]} | ({'data'} if old['data'] != spec['data'] else set()))
             raise ValueError(f'{folder} holds a run of another preset or data (differs in {diff}); continue it with the same '
                              'preset and data, or give this run another folder')
-    else:
+    elif writes:
         write_atomic(fspec, json.dumps(spec, indent=1))
     dev = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     cfg, tcfg = preset.model_config(), preset.train_config(progress)
@@ -225,7 +226,7 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
         t_chunk = time.perf_counter()
         try: trainer.fit(min(preset.steps, (trainer.step // preset.ckpt_every + 1) * preset.ckpt_every))
         finally:                                                        # this session's line, after every chunk: a kill loses none
-            if trainer.step > start:
+            if trainer.step > start and writes:
                 _record_session(folder, {**row, 'end_step': trainer.step, 'wall_s': round(time.perf_counter() - t0, 2),
                                          'peak_gpu_gib': torch.cuda.max_memory_allocated(dev) / GIB if dev.type == 'cuda' else None})
         now = time.perf_counter()

@@ -212,7 +212,7 @@ def evaluate(model:nn.Module, # a model of the package's interface
              n_words:int|None=None, # words in the evaluated text (`count_words`), for word-level perplexity
              max_batches:int|None=None, # stop after this many windows (None: the whole loader)
              precision:str='auto', # 'auto' (`choose_precision`), 'bf16', 'fp16' or 'fp32': as the model was trained
-             shard:bool=False, # in a DDP run (every rank calls it): each rank reads its block of streams, the sums are added up
+             shard:bool=False, # in a DDP run (every rank calls it): each rank reads its block of streams, the sums are added up (streams that do not split evenly over the ranks: each reads all)
              **forward_kwargs # other evaluation-time overrides passed to every forward call
             ) -> dict: # loss (nats/token), bpb, ppl, tokens, nats, and word_ppl when n_words is given
     "Mean loss, bits per byte and perplexity (and word-level perplexity) of `model` over `loader`."
@@ -226,13 +226,14 @@ def evaluate(model:nn.Module, # a model of the package's interface
     dev = next(model.parameters()).device
     precision = choose_precision(dev, precision)
     rank, world = dist_rank_world()
-    shard = shard and world > 1 and getattr(loader, 'batch_size', 0) % world == 0   # else: every rank reads everything
+    shard = shard and world > 1
     was_training = model.training; model.eval()
     nats, n_tok, state = 0.0, 0, None
     wide = torch.float32 if dev.type == 'mps' else torch.float64                 # the sum's dtype (MPS has no float64)
     try:
         for i, b in enumerate(loader):
             if max_batches is not None and i >= max_batches: break
+            if i == 0 and shard: shard = b[0].shape[0] % world == 0              # streams that do not split evenly: every rank reads all
             if shard: b = shard_batch(b, rank, world)                             # this rank's streams
             n = int((b.y != -100).sum())                                          # counted where the loader made it (no device sync)
             x, y, reset = (to_device(t, dev) for t in (b.x, b.y, b.reset))        # (B, T), (B, T), (B,) or None

@@ -1,14 +1,17 @@
 """The processes of tests/test_ddp.py: run as `python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py
 PHASE OUT` (2 ranks, gloo on the CPU) or as `python tests/ddp_worker.py PHASE OUT` (one process). Not a test file itself."""
 import json, signal, sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from compressive_tutorial.data import StreamLoader
 from compressive_tutorial.analysis import eval_across_memory_sizes
+from compressive_tutorial.cli import load_corpus
+from compressive_tutorial.data import fixture_download
+from compressive_tutorial.enwik8 import ENWIK8_PRESETS, train_protocol
 from compressive_tutorial.model import CompressiveTransformer, CTConfig
-from compressive_tutorial.train import Trainer, TrainConfig, TrainingInterrupted, init_distributed, dist_rank_world, seed_everything
+from compressive_tutorial.train import Trainer, TrainConfig, TrainingInterrupted, init_distributed, dist_rank_world, evaluate, seed_everything
 
 B, N_S = 4, 8
 CFG = TrainConfig(lr_max=1e-3, warmup_steps=3, decay_steps=20, update_every=2, update_every_after=5, clip_norm=None, progress=False)
@@ -72,7 +75,13 @@ def main(phase, out):
         model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
         rows = eval_across_memory_sizes(model, dl, [0, 4], skip=1, shard=True)
         listed = eval_across_memory_sizes(model, list(dl), [0, 4], skip=1, shard=True)   # a list of windows: no batch size of its own
-        if rank == 0: (out/f'sweep-{world}.json').write_text(json.dumps(dict(rows=rows, listed=listed, batch_sizes=sorted(set(seen)), windows=len(seen))))
+        sizes, windows = sorted(set(seen)), len(seen)
+        odd = evaluate(model, [type(b)(*(t[:3] for t in b)) for b in dl], shard=True)   # 3 streams do not split over 2 ranks: each reads all
+        if rank == 0: (out/f'sweep-{world}.json').write_text(json.dumps(dict(rows=rows, listed=listed, batch_sizes=sizes, windows=windows,
+                                                                           odd=[odd['tokens'], odd['nats']])))
+        kw = json.loads((out/'fx'/'kw.json').read_text())  # the Enwik8 protocol on the fixture the test extracted: rank 0 alone writes its files
+        data = load_corpus('enwik8', fixture_download({}), out/'fx'/'cache', **kw)
+        train_protocol(out/f'protocol-{world}', replace(ENWIK8_PRESETS['tiny'], steps=20), data, progress=False)
     if phase == 'signals':                                # SIGTERM on rank 0 alone, at step 3, just after the stop agreement
         got = {}
         for where in ('_agree', 'evaluate'):              # ... after its all-reduce returned / in the evaluation that follows it

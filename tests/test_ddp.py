@@ -1,7 +1,8 @@
 """DistributedDataParallel on the CPU with the gloo backend and 2 processes started by torchrun (notebook 06, "Many GPUs"):
 the gradients of DDP steps equal those of one process on the same global batch (also in windows where one rank has no
 auxiliary loss), a run checkpointed on 2 ranks resumes on 2 ranks bit for bit and on 1 rank up to floating-point summation
-order, and a signal that reaches one rank stops every rank after the same window. The processes are tests/ddp_worker.py."""
+order, a signal that reaches one rank stops every rank after the same window, sharded evaluation equals one process's,
+and the Enwik8 protocol writes its files once. The processes are tests/ddp_worker.py."""
 import json, os, subprocess, sys
 from pathlib import Path
 import pytest
@@ -23,6 +24,11 @@ def launch(phase, out, ranks, timeout=600):
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp('ddp')
+    from compressive_tutorial.enwik8 import make_enwik8_fixture
+    from compressive_tutorial.cli import load_corpus
+    dl, kw = make_enwik8_fixture(out/'fx')
+    load_corpus('enwik8', dl, out/'fx'/'cache', **kw)   # downloaded from the fixture and extracted once, before the ranks read it
+    (out/'fx'/'kw.json').write_text(json.dumps(kw))
     launch('first', out, 2)      # DDP: gradients, run A (12 steps), run B (6 steps, checkpoint), B resumed by new trainers
     launch('single', out, 1)     # one process: gradients, B resumed on 1 rank, and 12 steps straight
     return out
@@ -77,6 +83,20 @@ def test_ddp_memory_sweep_equals_one_process(runs):
     for a, b in zip(two['rows'] + two['listed'], one['rows'] + one['rows']):
         assert {k: v for k, v in a.items() if k != 'loss' and k != 'bpb'} == {k: v for k, v in b.items() if k != 'loss' and k != 'bpb'}
         assert abs(a['loss'] - b['loss']) <= 1e-6 * b['loss'], (a, b)
+
+
+def test_ddp_evaluation_of_streams_that_do_not_split(runs):
+    "evaluate(shard=True) on 3 streams and 2 ranks (a list of windows): every rank reads all of them, and the totals are one process's."
+    two, one = (json.loads((runs/f'sweep-{w}.json').read_text())['odd'] for w in (2, 1))
+    assert two[0] == one[0] and abs(two[1] - one[1]) <= 1e-9 * one[1], (two, one)
+
+
+def test_enwik8_protocol_files_written_once(runs):
+    "train_protocol under torchrun: rank 0 alone writes protocol.json and the sessions log (one session, not one per rank)."
+    for w in (2, 1):
+        rows = [json.loads(l) for l in (runs/f'protocol-{w}'/'sessions.jsonl').read_text().splitlines()]
+        assert [(r['start_step'], r['end_step']) for r in rows] == [(0, 20)], (w, rows)
+        assert json.loads((runs/f'protocol-{w}'/'protocol.json').read_text())['preset']['steps'] == 20
 
 
 def test_signal_on_one_rank_stops_every_rank(tmp_path):
