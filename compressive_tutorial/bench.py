@@ -278,7 +278,7 @@ def make_runners(cfg:BenchConfig) -> tuple: # ({name: Runner}, {name: why it was
         try: runners[name] = RUNNERS[name](cfg)
         except CannotRun as e: skipped[name] = f"cannot run these sizes: {e}"
         except ImportError as e:                            # labml-nn is installed without its declared extras (settings.ini)
-            how = ("pip install --no-deps labml-nn==0.5.1" if (e.name or '').startswith('labml') else
+            how = ("pip install --no-deps labml-nn==0.5.1" if (e.name or '').split('.')[0] == 'labml_nn' else   # (its own import of labml: the extra)
                    "the package's 'bench' extra: pip install -e '.[bench]' in a checkout, else pip install "
                    "'compressive-tutorial[bench] @ git+https://github.com/compressive-tutorial/compressive-tutorial'")
             skipped[name] = f"not installed ({e.name}): {how}"
