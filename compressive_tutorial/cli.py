@@ -24,12 +24,12 @@ from .data import (
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
 from .train import (
-    TrainConfig, Trainer, evaluate, sample, compression_parameters, seed_everything, lr_at, hardware, init_distributed, dist_rank_world, DEVICES,
+    TrainConfig, Trainer, evaluate, sample, seed_everything, lr_at, hardware, init_distributed, dist_rank_world, DEVICES,
     PRECISIONS, choose_precision)
 from .train import compile_layers
 from .checkpoint import (
     TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, load_weights, folder_lock, write_atomic)
-from .bench import BENCH_CPU, BENCH_GPU, BenchConfig, RUNNERS, run_benchmark, report, native_dtype
+from .bench import BENCH_CPU, BENCH_GPU, BenchConfig, RUNNERS, ct_flops_per_token, run_benchmark, report, native_dtype
 from .experiments import _data_key
 from .synthetic import RecallConfig, recall_models, run_demo
 
@@ -107,13 +107,12 @@ class RunConfig:
 # %% ../nbs/10_cli.ipynb #346e0d67
 def n_params(model:nn.Module) -> int: return sum(p.numel() for p in model.parameters())
 
-def train_flops(kind:str, cfg:XLConfig, rcfg:RunConfig, model:nn.Module) -> float:
-    "Approximate training FLOPs of a run: 6 x weights x tokens (compression weights / c), plus the attention products."
-    tokens = rcfg.steps * rcfg.batch_size * cfg.n_s
-    comp = sum(p.numel() for p in compression_parameters(model))           # f_c (and g): used once per c evicted states
-    dense = 6 * tokens * (n_params(model) - comp + comp / (cfg.c if kind == 'ct' else 1))
-    attn = rcfg.steps * rcfg.batch_size * cfg.n_layers * memory_summary(cfg)['attention_cost'] * cfg.d_model * 2 * 2 * 3
-    return dense + attn
+def train_flops(kind:str, cfg:XLConfig, rcfg:RunConfig) -> float:
+    "Training FLOPs of a run (a multiply-add is 2): its tokens times the matmul FLOPs per token that notebook 15 counts exactly (`ct_flops_per_token`, checked against torch's own count) for a conv f_c with the attention-reconstruction loss; a Transformer-XL is a CT without compressed memory."
+    ct = kind == 'ct'
+    sizes = BenchConfig(vocab_size=cfg.vocab_size, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
+                        n_s=cfg.n_s, n_m=cfg.n_m, n_cm=cfg.n_cm if ct else 0, c=cfg.c if ct else 1, batch_size=rcfg.batch_size)
+    return rcfg.steps * rcfg.batch_size * cfg.n_s * ct_flops_per_token(sizes, training=True)
 
 # %% ../nbs/10_cli.ipynb #a5add7b5
 class ConfigError(ValueError):
