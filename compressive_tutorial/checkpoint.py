@@ -270,18 +270,15 @@ class TrainingInterrupted(KeyboardInterrupt):
                          (f"checkpoint {checkpoint} written" if checkpoint else "nothing saved (the trainer has no ckpt_dir)"))
 
 class StopSignals:
-    "While in use (in the main thread), SIGINT and SIGTERM only set `signum`, for a loop to stop at its next boundary; a second one stops at once, unless it is the same signal again within `repeat_s` seconds (a copy: under torchrun, Ctrl-C reaches each worker from the terminal and again from torchrun)."
-    def __init__(self, repeat_s:float=2., # a repeat of the first signal within this many seconds is the same request
-                 clock=time.monotonic # seconds now (a test passes its own)
-                ): self.signum, self._old, self.repeat_s, self.clock, self._at = None, {}, repeat_s, clock, None
+    "While in use (in the main thread), SIGINT and SIGTERM only set `signum`, for a loop to stop at its next boundary; a second one stops at once."
+    def __init__(self): self.signum, self._old = None, {}
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():             # signal handlers live in the main thread
             self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
     def _handle(self, signum, frame):
-        if self.signum is None: self.signum, self._at = signum, self.clock(); return
-        if signum == self.signum and self.clock() - self._at < self.repeat_s: return   # the first request again, forwarded
-        self._restore(); raise KeyboardInterrupt                               # a second request: stop now
+        if self.signum is not None: self._restore(); raise KeyboardInterrupt   # the second signal: stop now
+        self.signum = signum
     def _restore(self):
         for s, h in self._old.items(): signal.signal(s, signal.SIG_DFL if h is None else h)
         self._old = {}
