@@ -108,7 +108,7 @@ class RunConfig:
 def n_params(model:nn.Module) -> int: return sum(p.numel() for p in model.parameters())
 
 def train_flops(kind:str, cfg:XLConfig, rcfg:RunConfig) -> float:
-    "Training FLOPs of a run (a multiply-add is 2): its tokens times the matmul FLOPs per token that notebook 15 counts exactly (`ct_flops_per_token`, checked against torch's own count) for a conv f_c with the attention-reconstruction loss; a Transformer-XL is a CT without compressed memory."
+    "Training FLOPs of a run (a multiply-add is 2): its tokens times the matmul FLOPs per token that notebook 15 counts exactly (`ct_flops_per_token`, checked against torch's own count) for post-LN layers, a conv f_c and the attention-reconstruction loss (other choices: an estimate); a Transformer-XL is a CT without compressed memory."
     ct = kind == 'ct'
     sizes = BenchConfig(vocab_size=cfg.vocab_size, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
                         n_s=cfg.n_s, n_m=cfg.n_m, n_cm=cfg.n_cm if ct else 0, c=cfg.c if ct else 1, batch_size=rcfg.batch_size)

@@ -16,7 +16,7 @@ import torch
 from .data import ENWIK8_URL, Batch, StreamLoader, check_int, data_cache_dir, fixture_download
 from .checkpoint import IMPL_FIELDS, write_atomic
 from .model import CTConfig, build_model, windows_per_call
-from .train import TrainConfig, Trainer, dist_rank_world, evaluate, hardware, seed_everything
+from .train import TrainConfig, Trainer, all_sum, dist_rank_world, evaluate, hardware, seed_everything
 from .analysis import eval_across_memory_sizes, plot_memory_sweep, warmup_windows
 from .cli import n_params, paper_schedule
 from .experiments import _data_key
@@ -199,7 +199,8 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     "Start the run in `folder`, or continue it from its last checkpoint; train in chunks of `ckpt_every`, saving after each."
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
     spec, fspec = _spec(preset, data), folder/'protocol.json'
-    writes = dist_rank_world()[0] == 0                                  # under torchrun rank 0 alone writes the run's files, as the trainer does
+    rank, world = dist_rank_world()
+    writes = rank == 0                                                  # under torchrun rank 0 alone writes the run's files, as the trainer does
     if fspec.exists():
         old = json.loads(fspec.read_text())
         if old != json.loads(json.dumps(spec)):
@@ -230,7 +231,9 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
                 _record_session(folder, {**row, 'end_step': trainer.step, 'wall_s': round(time.perf_counter() - t0, 2),
                                          'peak_gpu_gib': torch.cuda.max_memory_allocated(dev) / GIB if dev.type == 'cuda' else None})
         now = time.perf_counter()
-        if max_minutes is not None and (now - t0) + (now - t_chunk) > 60 * max_minutes: break   # the next chunk would end too late
+        late = max_minutes is not None and (now - t0) + (now - t_chunk) > 60 * max_minutes   # the next chunk would end too late
+        if world > 1 and max_minutes is not None: late = all_sum([late], dev, torch.distributed.ReduceOp.MAX)[0] > 0   # by any rank's clock:
+        if late: break                                                  # every rank stops after the same chunk (else one waits in the next)
     return trainer
 
 def sessions(folder) -> list:

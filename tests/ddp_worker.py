@@ -1,6 +1,6 @@
 """The processes of tests/test_ddp.py: run as `python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py
 PHASE OUT` (2 ranks, gloo on the CPU) or as `python tests/ddp_worker.py PHASE OUT` (one process). Not a test file itself."""
-import json, signal, sys
+import json, signal, sys, time, types
 from dataclasses import asdict, replace
 from pathlib import Path
 import torch
@@ -9,6 +9,7 @@ from compressive_tutorial.data import StreamLoader
 from compressive_tutorial.analysis import eval_across_memory_sizes
 from compressive_tutorial.cli import load_corpus
 from compressive_tutorial.data import fixture_download
+import compressive_tutorial.enwik8 as enwik8
 from compressive_tutorial.enwik8 import ENWIK8_PRESETS, train_protocol
 from compressive_tutorial.model import CompressiveTransformer, CTConfig
 from compressive_tutorial.train import Trainer, TrainConfig, TrainingInterrupted, init_distributed, dist_rank_world, evaluate, seed_everything
@@ -82,6 +83,15 @@ def main(phase, out):
         kw = json.loads((out/'fx'/'kw.json').read_text())  # the Enwik8 protocol on the fixture the test extracted: rank 0 alone writes its files
         data = load_corpus('enwik8', fixture_download({}), out/'fx'/'cache', **kw)
         train_protocol(out/f'protocol-{world}', replace(ENWIK8_PRESETS['tiny'], steps=20), data, progress=False)
+    if phase == 'minutes':                                # train_protocol(max_minutes=): rank 1's clock 100 s ahead at every reading
+        if rank == 1:
+            reads = [0]
+            def ahead(): reads[0] += 1; return time.perf_counter() + 100 * reads[0]
+            enwik8.time = types.SimpleNamespace(perf_counter=ahead, strftime=time.strftime)
+        kw = json.loads((out/'fx'/'kw.json').read_text())
+        data = load_corpus('enwik8', fixture_download({}), out/'fx'/'cache', **kw)
+        t = train_protocol(out/'minutes', replace(ENWIK8_PRESETS['tiny'], steps=20), data, max_minutes=3, progress=False)
+        (out/f'minutes-{rank}.json').write_text(json.dumps(t.step))   # (before the fix: rank 0 went on alone and waited for ever)
     if phase == 'signals':                                # SIGTERM on rank 0 alone, at step 3, just after the stop agreement
         got = {}
         for where in ('_agree', 'evaluate'):              # ... after its all-reduce returned / in the evaluation that follows it

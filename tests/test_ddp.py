@@ -99,6 +99,12 @@ def test_enwik8_protocol_files_written_once(runs):
         assert json.loads((runs/f'protocol-{w}'/'protocol.json').read_text())['preset']['steps'] == 20
 
 
+def test_enwik8_protocol_time_budget_agreed(runs):
+    "train_protocol(max_minutes=) on 2 ranks whose clocks disagree: both stop after the same chunk (one alone would hang the other)."
+    launch('minutes', runs, 2, timeout=180)
+    assert json.loads((runs/'minutes-0.json').read_text()) == json.loads((runs/'minutes-1.json').read_text()) == 10
+
+
 def test_signal_on_one_rank_stops_every_rank(tmp_path):
     "SIGTERM on rank 0 just after a step's stop agreement (after its all-reduce, or in the evaluation after it): not lost, not split."
     launch('signals', tmp_path, 2, timeout=300)      # before the fix: the first one was lost, the second one hung rank 1
