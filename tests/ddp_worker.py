@@ -59,6 +59,11 @@ def main(phase, out):
         seen, shares = spy_grads(t), spy_aux_share(t); t.fit(8)
         if rank == 0: save_file({f'{j}.{k}': v for j, s in enumerate(seen) for k, v in s.items()} | {'aux_share': torch.tensor(shares)},
                                 str(out/f'grads-{world}.safetensors'))
+        model, dl = make()                                 # rank 1's streams with almost no targets in every other window: each rank's
+        y_masked = lambda i, y: y if i % 2 else torch.cat([y[:B // 2], torch.cat([y[B // 2:, :1], torch.full_like(y[B // 2:, 1:], -100)], 1)])
+        t = Trainer(model, [b._replace(y=y_masked(i, b.y)) for i, b in enumerate(dl)], cfg=CFG)   # gradient weighs by its targets
+        seen = spy_grads(t); t.fit(4)
+        if rank == 0: save_file({f'{j}.{k}': v for j, s in enumerate(seen) for k, v in s.items()}, str(out/f'grads-uneven-{world}.safetensors'))
     if phase == 'first':                                  # A: 12 steps straight; B: 6 steps, checkpointed (2 ranks)
         model, dl = make(); Trainer(model, dl, cfg=CFG, ckpt_dir=out/'A').fit(12)
         model, dl = make(); Trainer(model, dl, cfg=CFG, ckpt_dir=out/'B').fit(6)

@@ -45,6 +45,14 @@ def test_ddp_gradients_equal_one_process(runs):
         assert (ddp[k] - one[k]).abs().max().item() <= 1e-5 * scale + 1e-9, k
 
 
+def test_ddp_gradients_weigh_ranks_by_their_targets(runs):
+    "Windows where rank 1's streams have almost no targets (-100): the 2-rank gradients are still one process's on the global batch."
+    ddp, one = load_file(str(runs/'grads-uneven-2.safetensors')), load_file(str(runs/'grads-uneven-1.safetensors'))
+    assert sorted(ddp) == sorted(one) and ddp
+    for k in one:
+        assert (ddp[k] - one[k]).abs().max().item() <= 1e-5 * one[k].abs().max().item() + 1e-9, k
+
+
 def test_resume_on_two_ranks_is_exact(runs):
     a, b = load_checkpoint(runs/'A'/'last.safetensors'), load_checkpoint(runs/'B2'/'last.safetensors')
     assert a[1]['step'] == b[1]['step'] == 12 and a[1]['state_batch_size'] == b[1]['state_batch_size'] == 4
