@@ -9,7 +9,7 @@ __all__ = ['CKPT_FORMAT', 'IMPL_FIELDS', 'flatten_tree', 'unflatten_tree', 'rng_
            'folder_lock']
 
 # %% ../nbs/90_appendix_checkpoints.ipynb #imports
-import contextlib, dataclasses, hashlib, json, os, random, shlex, shutil, signal, socket, tempfile, threading, time
+import contextlib, dataclasses, hashlib, json, os, random, shlex, shutil, signal, socket, tempfile, threading, time, zipfile
 from dataclasses import asdict
 from pathlib import Path
 import numpy as np
@@ -189,6 +189,15 @@ def _kept(path:Path) -> str:
     return (f"; the checkpoint it replaced is kept: cp {shlex.quote(str(prev))} {shlex.quote(str(path))} goes back to it"
             if prev.is_file() and prev.name != path.name else '')
 
+def _torch_saved(path:Path) -> bool:
+    "Whether `path` is a `torch.save` file: its legacy pickle's magic number, or a zip archive holding a `data.pkl` (other zips, e.g. `.npz`, are not)."
+    with open(path, 'rb') as f: head = f.read(4)
+    if head == b'\x80\x02\x8a\x0a': return True
+    if head != b'PK\x03\x04': return False
+    try:
+        with zipfile.ZipFile(path) as z: return any(n.rsplit('/', 1)[-1] == 'data.pkl' for n in z.namelist())
+    except (zipfile.BadZipFile, OSError): return False
+
 def load_checkpoint(path # a file written by `save_checkpoint`
                    ) -> tuple: # ({name: tensor on CPU}, meta dict)
     "Read a checkpoint without unpickling anything; another kind of file, or one whose checksum fails, is refused."
@@ -199,8 +208,7 @@ def load_checkpoint(path # a file written by `save_checkpoint`
             md = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
-        with open(path, 'rb') as f: head = f.read(4)
-        if head in (b'PK\x03\x04', b'\x80\x02\x8a\x0a'):                      # torch.save's zip, or its legacy pickle's magic
+        if _torch_saved(path):
             raise CheckpointError(f"{path} is a pickled file (torch.save), not a safetensors checkpoint. Refusing to load it: "
                                   "pickled files can run code when loaded, so they are never accepted.") from None
         raise CheckpointError(f"{path} is damaged or not a safetensors checkpoint ({e}), so it is not loaded{_kept(path)}") from None

@@ -360,17 +360,19 @@ def read_split_table(path, # a SOURCES.tsv-style file: a `file` column and a `sp
                     ) -> dict: # file name -> 'train' | 'valid' | 'test'
     "Each file's split from a tab-separated table."
     with open(path, newline='', encoding='utf-8-sig') as f:                  # (-sig: a table saved by a spreadsheet starts with a BOM)
-        reader = csv.DictReader(f, delimiter='\t'); rows = list(reader)
+        reader = csv.DictReader(f, delimiter='\t', quoting=csv.QUOTE_NONE); rows = list(reader)   # cells as written: a title may start with "
     cols = reader.fieldnames or []                                           # the header, even of a table with no rows
     col = next((c for c in ('split', 'suggested_split') if c in cols), None)
     if 'file' not in cols or col is None:
         raise ValueError(f"{path} needs a 'file' column and a 'split' (or 'suggested_split') column; it has {list(cols)}")
     out = {}
     for r in rows:                                                         # (a short row has None for its missing cells)
+        r['file'] = (r['file'] or '').strip()
         if not r['file']: raise ValueError(f"{path}: a row has no file name ({list(r.values())}): give every row a file and a split, separated by a tab")
         if r[col] is None: raise ValueError(f"{path}: the row of {r['file']} has no {col} cell: give every row a file and a split, separated by a tab")
         s = _SPLIT_ALIASES.get(r[col].strip().lower())
         if s is None: raise ValueError(f"{path}: split {r[col]!r} of {r['file']} is not one of train/valid/test")
+        if r['file'] in out: raise ValueError(f"{path} lists {r['file']} twice: keep one row per file")
         out[r['file']] = s
     return out
 
@@ -480,11 +482,17 @@ def load_pg19(data_files=None, # {split: parquet path/glob}, a '{split}' templat
 # %% ../nbs/00_data.ipynb #1ae0d0d0
 class SubwordTokenizer:
     "A trained sentencepiece model with the same interface as `ByteTokenizer`."
-    def __init__(self, model_proto:bytes): # the serialised sentencepiece model
+    def __init__(self, model_proto:bytes, # the serialised sentencepiece model
+                 *, source:str='model_proto'): # where the bytes came from, named in an error (`load`: the file)
         import sentencepiece as spm
         self.model_proto = bytes(model_proto)
-        self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        bad = lambda why: ValueError(f'{source} is not a sentencepiece model, or a damaged one ({why}): save the tokenizer again '
+                                     'with SubwordTokenizer.save, or train it again with train_sentencepiece')
+        if not self.model_proto: raise bad('no bytes')
+        try: self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        except RuntimeError as e: raise bad(f'sentencepiece: {str(e).strip()[:120]}') from None
         self.vocab_size = self.sp.get_piece_size()
+        if self.vocab_size == 0: raise bad('no pieces')
 
     def encode_array(self, text:str) -> np.ndarray: # (N,) uint16 (int32 for vocabularies over 65,536) ids
         "Token ids as a compact array."
@@ -502,7 +510,9 @@ class SubwordTokenizer:
     def pieces(self, text:str) -> list: return self.sp.encode(text, out_type=str)
     def save(self, path): Path(path).write_bytes(self.model_proto)
     @classmethod
-    def load(cls, path): return cls(Path(path).read_bytes())
+    def load(cls, path):
+        "The tokenizer that `save` wrote to `path`."
+        return cls(Path(path).read_bytes(), source=str(path))
     def __getstate__(self): return {'model_proto': self.model_proto}
     def __setstate__(self, d): self.__init__(d['model_proto'])
     def __repr__(self): return f'SubwordTokenizer(vocab_size={self.vocab_size})'

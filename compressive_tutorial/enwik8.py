@@ -202,7 +202,8 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     rank, world = dist_rank_world()
     writes = rank == 0                                                  # under torchrun rank 0 alone writes the run's files, as the trainer does
     if fspec.exists():
-        old = json.loads(fspec.read_text())
+        try: old = json.loads(fspec.read_text())
+        except ValueError as e: raise ValueError(f'{fspec} is damaged ({e}): restore it from a copy, or give this run another folder') from None
         if old != json.loads(json.dumps(spec)):
             diff = sorted({k for k in spec['preset'] if old['preset'].get(k) != spec['preset'][k]} | ({'data'} if old['data'] != spec['data'] else set()))
             raise ValueError(f'{folder} holds a run of another preset or data (differs in {diff}); continue it with the same '
@@ -239,7 +240,9 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
 def sessions(folder) -> list:
     "The sessions of a run (one dict per `train_protocol` call that trained): steps, wall time, hardware, peak GPU memory."
     f = Path(folder)/'sessions.jsonl'
-    return [json.loads(l) for l in f.read_text().splitlines() if l.strip()] if f.exists() else []
+    try: return [json.loads(l) for l in f.read_text().splitlines() if l.strip()] if f.exists() else []
+    except ValueError as e: raise ValueError(f'{f} is damaged ({e}): restore it from a copy, or remove the damaged line (the run '
+                                             'itself is in its checkpoint; only that session would go unlisted)') from None
 
 def _record_session(folder:Path, row:dict):
     "Write `row` into the run's sessions.jsonl, replacing the line of the same session; atomically."

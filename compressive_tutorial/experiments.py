@@ -10,6 +10,7 @@ import hashlib, json, re, shutil, time
 from dataclasses import asdict, fields, MISSING
 from pathlib import Path
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 from .checkpoint import load_checkpoint, write_atomic
 from .data import Corpus, StreamLoader, check_int, encode_documents, load_books
@@ -153,6 +154,7 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
             if stale: print(f'{jpath.name} was made with other values of {stale} (a default changed since): training again')
             else:
                 try: model.load_state_dict(load_file(str(wpath)))
+                except SafetensorError as e: print(f'{wpath.name} is damaged ({str(e)[:80]}): training again')   # e.g. cut short
                 except RuntimeError as e: print(f'{wpath.name} no longer fits the model ({str(e)[:80]}...): training again')
                 else:
                     res.update(model=model.to(dev), cfg_obj=cfg, cached=True)

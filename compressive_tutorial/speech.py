@@ -5,15 +5,16 @@
 # %% auto #0
 __all__ = ['MU', 'N_CLASSES', 'SAMPLE_RATE', 'MAX_RESAMPLE_TAPS', 'FULL_SCALE', 'LJSPEECH_URL', 'LJSPEECH_SHA256',
            'LJSPEECH_CLIPS', 'LJSPEECH_SECONDS', 'LJSPEECH_HELD', 'KINDS', 'KIND_COLORS', 'GPU_STEPS',
-           'torchaudio_functional', 'mu_law_encode', 'mu_law_decode', 'resample', 'read_clip', 'ljspeech_split',
-           'ljspeech_clips', 'clip_codes', 'load_ljspeech', 'HeldClips', 'pcm_sha256', 'verify_ljspeech',
-           'get_ljspeech', 'ljspeech_folder', 'save_codes', 'load_codes', 'code_entropy', 'WaveNetConfig',
-           'receptive_field', 'WaveNetState', 'dilated_taps', 'GatedResidualLayer', 'WaveNet', 'speech_label',
-           'model_summary', 'summary_table', 'speech_run', 'describe_speech', 'plot_test_curves', 'results_table',
-           'plot_train_curves', 'plot_audio', 'generate', 'paper_scaled_configs', 'gpu_train_config', 'gpu_run']
+           'torchaudio_functional', 'mu_law_encode', 'mu_law_decode', 'resample', 'saturation_rails', 'read_clip',
+           'ljspeech_split', 'ljspeech_clips', 'clip_codes', 'load_ljspeech', 'HeldClips', 'pcm_sha256',
+           'verify_ljspeech', 'get_ljspeech', 'ljspeech_folder', 'save_codes', 'load_codes', 'code_entropy',
+           'WaveNetConfig', 'receptive_field', 'WaveNetState', 'dilated_taps', 'GatedResidualLayer', 'WaveNet',
+           'speech_label', 'model_summary', 'summary_table', 'speech_run', 'describe_speech', 'plot_test_curves',
+           'results_table', 'plot_train_curves', 'plot_audio', 'generate', 'paper_scaled_configs', 'gpu_train_config',
+           'gpu_run']
 
 # %% ../nbs/11_speech.ipynb #4cd5649e
-import functools, hashlib, json, math, re, shutil, tarfile, time
+import codecs, collections, functools, hashlib, json, math, re, shutil, tarfile, time, zipfile, zlib
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -159,7 +160,14 @@ def resample(wave, # (..., N) float waveform: tensor or array
     return y.to(wave.dtype)
 
 # %% ../nbs/11_speech.ipynb #d70d17e7
-FULL_SCALE = 32767 / 32768   # |x| at or above this is a saturated 16-bit sample
+FULL_SCALE = 32767 / 32768   # the largest 16-bit sample: x >= this or x <= -1 is saturated (in a wider or float format too, conservatively)
+_FORMAT_RAILS = {'PCM_U8': (-1, 127 / 128), 'PCM_S8': (-1, 127 / 128),                      # 8-bit PCM: codes -128 .. 127, over 128
+                 'ULAW': (-32124 / 32768, 32124 / 32768), 'ALAW': (-32256 / 32768, 32256 / 32768)}   # G.711: symmetric, short of 1
+
+def saturation_rails(subtype:str # soundfile's name of a file's sample format, e.g. 'PCM_16', 'PCM_U8', 'FLOAT'
+                    ) -> tuple: # (low, high): a sample at or beyond either is saturated
+    "The lowest and highest values a format's codes reach: -1 and 127/128 for 8-bit PCM, ±32124/32768 for µ-law, ±32256/32768 for A-law; -1 and `FULL_SCALE` for every other format."
+    return _FORMAT_RAILS.get(subtype, (-1.0, FULL_SCALE))
 
 def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
               sample_rate:int=SAMPLE_RATE, # the rate the models expect; a file at another rate is resampled to it (`resample`)
@@ -170,7 +178,8 @@ def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
     sf = _soundfile()
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f'{path}: no such file. Check the folder, or download the corpus again.')
-    try: x, sr = sf.read(str(path), dtype='float32', always_2d=True)            # (N, channels)
+    try:
+        with sf.SoundFile(str(path)) as f: x, sr, (low, high) = f.read(dtype='float32', always_2d=True), f.samplerate, saturation_rails(f.subtype)   # (N, channels)
     except (RuntimeError, TypeError, ValueError) as e:                            # soundfile's LibsndfileError is a RuntimeError
         raise ValueError(f'{path} is not audio that soundfile can read ({e}). Convert it to WAV or FLAC '
                          f'(e.g. ffmpeg -i {path.name} {path.stem}.flac), or remove it from the folder.') from None
@@ -180,10 +189,11 @@ def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
     if channels > 1 and not downmix:
         raise ValueError(f'{path} has {channels} channels but the models read mono audio: pass downmix=True to average '
                          f'the channels, or convert the file (e.g. ffmpeg -i {path.name} -ac 1 {path.stem}-mono.flac).')
-    clipped = float((np.abs(x) >= FULL_SCALE).any(1).mean())                     # share of saturated instants
+    clipped = float(((x <= low) | (x >= high)).any(1).mean())                    # share of saturated instants
     if max_clipped is not None and clipped > max_clipped:
-        raise ValueError(f'{path} is clipped: {clipped:.2%} of its samples sit at full scale (the limit is max_clipped='
-                         f'{max_clipped:.2%}). Use an unclipped recording, or pass max_clipped=None to accept this one.')
+        raise ValueError(f'{path} is clipped: {clipped:.2%} of its samples sit at or beyond full scale (the limit is max_clipped='
+                         f'{max_clipped:.2%}). Use an unclipped recording (a float file louder than full scale: scale it into '
+                         '[-1, 1]), or pass max_clipped=None to accept this one as it is (beyond full scale, clipped to it).')
     wave = torch.from_numpy(x.mean(1) if channels > 1 else x[:, 0].copy())      # (N,)
     try: wave = resample(wave, sr, sample_rate)                                  # (ceil(N sample_rate / sr),); as is at sample_rate
     except ValueError as e: raise ValueError(f'{path}: {e}') from None          # which of a corpus's files
@@ -207,7 +217,11 @@ def ljspeech_clips(folder, # an LJ Speech folder: metadata.csv and the audio in 
     meta = folder/'metadata.csv'
     if not meta.is_file(): raise FileNotFoundError(f'{folder} has no metadata.csv: pass the LJ Speech folder (the one that holds '
                                                    'metadata.csv and wavs/ or flac/), e.g. get_ljspeech() in Colab')
-    ids = [line.split('|', 1)[0] for line in meta.read_text(encoding='utf-8').splitlines() if line.strip()]
+    rows = meta.read_bytes().removeprefix(codecs.BOM_UTF8).split(b'\n')    # lines end in \n; only the id field is read, so a
+    ids = [r.split(b'|', 1)[0].strip().decode('utf-8', 'replace') for r in rows if r.strip()]   # transcript may hold any byte
+    twice = [i for i, n in collections.Counter(ids).items() if n > 1]
+    if twice: raise ValueError(f'{meta} lists {len(twice)} clip(s) more than once (first: {twice[:3]}): each would be read, '
+                               'and trained on, as often as it is listed. Remove the repeated rows.')
     out, missing = [], []
     for i in ids:
         p = next((q for q in (folder/'wavs'/f'{i}.wav', folder/'flac'/f'{i}.flac') if q.is_file()), None)
@@ -358,9 +372,23 @@ def load_codes(path, # a file written by `save_codes`
     "µ-law corpora from a `save_codes` file (no pickle is ever loaded)."
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f'{path}: no such file. Write it with save_codes(load_ljspeech(), {str(path)!r}).')
-    with np.load(path, allow_pickle=False) as z:
-        splits = sorted({k.rsplit('.', 1)[0] for k in z.files}, key=lambda s: SPLITS.index(s) if s in SPLITS else len(SPLITS))
-        return {s: Corpus(z[f'{s}.tokens'], z[f'{s}.doc_starts'], z[f'{s}.names'].tolist()) for s in splits}
+    bad = lambda why: ValueError(f'{path} is not a file save_codes wrote ({why}): write it again with save_codes(load_ljspeech(), {str(path)!r}).')
+    try:
+        z, arrays = np.load(path, allow_pickle=False), None                      # an .npz archive (or one .npy array: no `files`)
+        if hasattr(z, 'files'):
+            with z: arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # not numpy's, or cut short
+        raise bad(f'{type(e).__name__}: {str(e)[:100]}') from None
+    if arrays is None: raise bad('one array, not an .npz archive')
+    splits = sorted({k.rsplit('.', 1)[0] for k in arrays}, key=lambda s: SPLITS.index(s) if s in SPLITS else len(SPLITS))
+    expected = {f'{s}.{a}' for s in splits for a in ('tokens', 'doc_starts', 'names')}
+    if not arrays or set(arrays) != expected:
+        raise bad(f'it holds {sorted(arrays)}, not the arrays <split>.tokens, <split>.doc_starts and <split>.names of each split')
+    for s in splits:
+        t = arrays[f'{s}.tokens']
+        if t.dtype.kind not in 'iu' or (t.size and (t.min() < 0 or t.max() >= N_CLASSES)):
+            raise bad(f'{s}.tokens are not µ-law codes 0..{N_CLASSES - 1}')
+    return {s: Corpus(arrays[f'{s}.tokens'], arrays[f'{s}.doc_starts'], arrays[f'{s}.names'].tolist()) for s in splits}
 
 # %% ../nbs/11_speech.ipynb #ad4a542e
 def code_entropy(tokens, # µ-law codes (any integer array)

@@ -338,6 +338,16 @@ def _same_file(a, b) -> bool:
     "Whether two paths name one file, however each is spelled: relative or absolute, through a link or not (it need not exist yet)."
     return Path(a).resolve() == Path(b).resolve()
 
+_TRAINER_META = ('step', 'n_updates', 'epoch', 'window', 'cfg', 'skeleton', 'acc', 'history', 'rng')   # what `Trainer.save` writes
+
+def _trainer_checkpoint(path) -> tuple: # ({name: tensor}, meta)
+    "`load_checkpoint(path)`, refused with a clear error if `Trainer.save` did not write it (e.g. weights saved alone)."
+    tensors, meta = load_checkpoint(path)
+    missing = [k for k in _TRAINER_META if k not in meta]
+    if missing: raise CheckpointError(f"{path} holds no trainer state (no {', '.join(missing)}): Trainer.save did not write it, so no "
+                                      "run can resume from it. Load its weights into a model with load_weights(path, model).")
+    return tensors, meta
+
 class Trainer:
     "Trains any model of the package's interface window after window; saves and resumes runs exactly."
     def __init__(self, model:nn.Module, # a model of the package's interface: init_state, forward -> (logits, loss, state)
@@ -701,7 +711,7 @@ class Trainer:
 
     def load(self, path) -> 'Trainer':
         "Restore a checkpoint written by `save` into this trainer (same model class and config)."
-        return self._restore(*load_checkpoint(path), path)
+        return self._restore(*_trainer_checkpoint(path), path)
 
     def _restore(self, tensors:dict, meta:dict, path=None) -> 'Trainer':
         B, loader_B = meta.get('state_batch_size'), getattr(self.train_loader, 'batch_size', None)
@@ -764,7 +774,7 @@ class Trainer:
                cfg:TrainConfig|None=None, # None: the config saved in the checkpoint
                ckpt_dir=None) -> 'Trainer':
         "A new Trainer that continues the run saved at `path` exactly where it stopped."
-        tensors, meta = load_checkpoint(path)
+        tensors, meta = _trainer_checkpoint(path)
         cfg = TrainConfig.from_dict(meta['cfg']) if cfg is None else cfg
         return cls(model, train_loader, valid_loader, cfg, ckpt_dir)._restore(tensors, meta, path)
 
