@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['CKPT_FORMAT', 'IMPL_FIELDS', 'flatten_tree', 'unflatten_tree', 'rng_state', 'set_rng_state', 'CheckpointError',
            'checksum', 'previous_checkpoint', 'write_atomic', 'save_checkpoint', 'load_checkpoint', 'model_meta',
-           'check_model', 'load_weights', 'NonFiniteError', 'TrainingInterrupted', 'StopSignals', 'RunFolderBusy',
-           'folder_lock']
+           'check_model', 'model_diff', 'load_weights', 'NonFiniteError', 'TrainingInterrupted', 'StopSignals',
+           'RunFolderBusy', 'folder_lock']
 
 # %% ../nbs/90_appendix_checkpoints.ipynb #imports
 import contextlib, dataclasses, hashlib, json, os, random, shlex, shutil, signal, socket, tempfile, threading, time, zipfile
@@ -234,13 +234,21 @@ def check_model(meta:dict, # a checkpoint's meta: its 'model' entry (`model_meta
                ):
     "Refuse a checkpoint written for another model: a CheckpointError naming the class or every config field that differs."
     saved, have = meta.get('model'), model_meta(model)
-    if saved is None: return                                                   # a bare save_checkpoint file: shapes are still checked
-    if saved['cls'] != have['cls']:
+    diff = model_diff(saved, have)
+    if diff and saved['cls'] != have['cls']:
         raise CheckpointError(f"{path} holds a {saved['cls']}, not a {have['cls']}: build a {saved['cls']} to restore it")
-    a, b = saved['config'] or {}, have['config'] or {}
-    diff = [f"{k}={a.get(k)!r} (this model: {b.get(k)!r})" for k in sorted((a.keys() | b.keys()) - set(IMPL_FIELDS)) if a.get(k) != b.get(k)]
     if diff: raise CheckpointError(f"{path} was written for another {have['cls']}: it has {', '.join(diff)}; "
                                    "build the model with the checkpoint's config")
+
+def model_diff(saved:dict|None, # a checkpoint's 'model' entry (`model_meta` of the model that wrote it); None: a bare `save_checkpoint` file
+               have:dict, # `model_meta` of the model it would go into (or the same dict built from a config)
+               name:str='this model' # what `have` is called in the words
+              ) -> list: # what differs, in words: the class, else each config field but IMPL_FIELDS; [] if nothing (or nothing recorded)
+    "How the model a checkpoint was written for differs from another one."
+    if saved is None: return []                                                # (its tensors' names and shapes are still checked)
+    if saved['cls'] != have['cls']: return [f"it holds a {saved['cls']}, not a {have['cls']}"]
+    a, b = saved['config'] or {}, have['config'] or {}
+    return [f"{k}={a.get(k)!r} ({name}: {b.get(k)!r})" for k in sorted((a.keys() | b.keys()) - set(IMPL_FIELDS)) if a.get(k) != b.get(k)]
 
 def _set_weights(model:nn.Module, tensors:dict, path):
     "Load the checkpoint's `model.*` tensors into `model`, refusing other names or shapes and non-finite values."

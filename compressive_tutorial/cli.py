@@ -19,16 +19,16 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 from .data import (
-    SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, check_int, download_file, encode_documents, load_books, load_enwik8, read_text,
+    MAX_SEED, SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, check_int, download_file, encode_documents, load_books, load_enwik8, read_text,
     strip_gutenberg, _PG_START)
 from .xl import XLConfig
-from .model import CTConfig, MODEL_KINDS, build_model, memory_summary, windows_per_call
+from .model import CTConfig, MODEL_KINDS, build_model, held_memory, memory_summary, windows_per_call
 from .train import (
     TrainConfig, Trainer, evaluate, sample, seed_everything, lr_at, hardware, init_distributed, dist_rank_world, DEVICES,
     PRECISIONS, choose_precision)
 from .train import compile_layers
 from .checkpoint import (
-    TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, load_weights, folder_lock, write_atomic)
+    TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, model_diff, _set_weights, folder_lock, write_atomic)
 from .bench import BENCH_CPU, BENCH_GPU, BenchConfig, RUNNERS, ct_flops_per_token, run_benchmark, report, native_dtype
 from .experiments import _data_key
 from .synthetic import RecallConfig, recall_models, run_demo
@@ -99,7 +99,8 @@ class RunConfig:
     def __post_init__(self):
         for name, none in (('batch_size', None), ('steps', None), ('eval_batch_size', None), ('valid_batches', 'the whole split'),
                            ('seed', None), ('threads', "torch's default")):
-            setattr(self, name, check_int(getattr(self, name), f'RunConfig.{name}', 0 if name == 'seed' else 1, none=none))
+            setattr(self, name, check_int(getattr(self, name), f'RunConfig.{name}', 0 if name == 'seed' else 1, none=none,
+                                          hi=MAX_SEED if name == 'seed' else None))
         if not re.fullmatch('auto|' + DEVICES, self.device):         # whether this machine has it: `_device`, when a command runs
             raise ValueError(f"RunConfig.device={self.device!r} is not a device `ct` runs on: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'.")
         if not isinstance(self.compile, bool): raise ValueError(f"RunConfig.compile={self.compile!r} must be true or false.")
@@ -262,8 +263,8 @@ def corpus_spec(corpus:str) -> str:
     return corpus if corpus in ('enwik8', 'books') else str(Path(corpus).expanduser().resolve())
 
 def corpus_name(corpus:str) -> str:
-    "A short name for run folders: 'enwik8', 'books', or the file/folder name without suffix."
-    return corpus if corpus in ('enwik8', 'books') else Path(corpus).stem
+    "A short name for run folders: 'enwik8', 'books', or the file/folder name without suffix ('.': the current folder's name)."
+    return corpus if corpus in ('enwik8', 'books') else Path(corpus).expanduser().resolve().stem or 'corpus'
 
 def split_bytes(tokens:np.ndarray, # (N,) all bytes of one text
                 name:str, # used in the Corpus names
@@ -336,6 +337,7 @@ class Run:
         try:
             js = json.loads(f.read_text())
             if js.get('format') != RUN_FORMAT: raise ValueError(f"format {js.get('format')!r}, expected {RUN_FORMAT!r}")
+            if js['preset'] not in PRESETS: raise ValueError(f"preset {js['preset']!r} is not one of {list(PRESETS)}")
             return cls(path, js['kind'], js['preset'], js['corpus'], MODEL_KINDS[js['kind']].config(**js['model']),
                        TrainConfig.from_dict(js['train']), RunConfig(**js['run']), tuple(js.get('fixed', ())), js.get('data'))
         except (ValueError, KeyError, TypeError, AttributeError) as e:   # not JSON, a missing or unknown field, a bad value
@@ -372,8 +374,18 @@ class Run:
             raise ConfigError(f"{_q(self.path)} has no checkpoint ({CKPT_NAME}) yet: its training stopped before the first one was "
                               f"written; train it (ct train --out {_q(self.path)} ..., or --resume once it has one)")
         model = build_model(self.kind, self.model)
-        meta = load_weights(self.checkpoint, model)
+        tensors, meta = load_checkpoint(self.checkpoint)
+        self.check_checkpoint(meta); _set_weights(model, tensors, self.checkpoint)
         return model.to(device).eval(), meta['step']
+
+    def check_checkpoint(self, meta:dict # the meta of the run folder's checkpoint
+                        ):
+        "Refuse a checkpoint whose model is not the one config.json describes: copied from another run folder, or config.json edited by hand."
+        have = dict(cls=MODEL_KINDS[self.kind].model.__name__, config=json.loads(json.dumps(asdict(self.model))))
+        diff = model_diff(meta.get('model'), have, 'config.json')
+        if diff: raise ConfigError(f"{_q(self.checkpoint)} does not fit the run's config.json ({'; '.join(diff)}): the checkpoint "
+                                   "belongs to another run folder, or config.json was edited. Restore config.json, or start a new "
+                                   "run in another folder")
 
 # %% ../nbs/10_cli.ipynb #30ca4ebc
 def _device(name:str, # 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'
@@ -420,6 +432,16 @@ def _q(path) -> str:
     "A path as a shell reads it back: quoted when it needs to be (spaces, quotes, ...)."
     return shlex.quote(str(path))
 
+def _folder(path:str|None, # a folder the command line names (None: not given)
+            option:str, # how the command line names it, e.g. '--out'
+            what:str # what it should be, for the fix
+           ) -> Path|None:
+    "The folder as a Path; a ConfigError for an empty string (an unset shell variable, which would name the current folder) or a file."
+    if path is None: return None
+    if not str(path).strip(): raise ConfigError(f"{option} is empty: pass {what} (an unset shell variable?)")
+    if Path(path).expanduser().is_file(): raise ConfigError(f"{option} {_q(path)} is a file: pass {what}")
+    return Path(path)
+
 def _describe(kind:str, cfg:XLConfig, model:nn.Module) -> str:
     s = memory_summary(cfg); reach, cost = s['temporal_range'], s['attention_cost']
     mem = f'n_m={cfg.n_m}' + (f', n_cm={cfg.n_cm}, c={cfg.c} ({cfg.compression}, {cfg.compression_loss} loss)' if kind == 'ct' else '')
@@ -428,8 +450,8 @@ def _describe(kind:str, cfg:XLConfig, model:nn.Module) -> str:
 
 def run_from_args(args) -> Run:
     "The run `ct train` means: the run folder's (--resume; --steps stretches its schedule), or a new one; checked, nothing written."
-    out = None if args.out is None else Path(args.out)
-    if out is not None and out.exists() and not out.is_dir(): raise ConfigError(f"--out {_q(out)} is a file: pass a folder for the run")
+    out = _folder(args.out, '--out', 'a folder for the run')
+    _folder(args.cache, '--cache', 'a folder for the download cache')
     if args.resume:
         if out is None: raise ConfigError("--resume needs --out RUN_DIR: the folder of the run to continue")
         if args.preset or args.sets:
@@ -447,9 +469,7 @@ def run_from_args(args) -> Run:
         if 'step' not in meta or 'skeleton' not in meta:
             raise ConfigError(f"{_q(run.checkpoint)} holds weights only, not a run's state (save_checkpoint wrote it, not `ct train`): "
                               "start the run again without --resume")
-        saved, want = (meta.get('model') or {}).get('cls'), MODEL_KINDS[run.kind].model.__name__
-        if saved not in (None, want): raise ConfigError(f"{_q(run.checkpoint)} holds a {saved}, but the run's config.json is a {want}'s: "
-                                                        "the checkpoint belongs to another run folder")
+        run.check_checkpoint(meta)                                        # before the data: a config edited, a checkpoint copied
         step = meta['step']
         if args.steps is not None and args.steps != run.run.steps:        # the schedule stretches with the run, as for a new one
             if args.steps < step:
@@ -468,6 +488,9 @@ def run_from_args(args) -> Run:
         stray = [s for s in args.sets if '=' not in s]                  # `--set a=1 CORPUS`: argparse gave CORPUS to --set
         raise ConfigError("which corpus? `ct train enwik8`, `ct train books`, `ct train FOLDER` or `ct train FILE.txt`" +
                           (f" ({stray[0]!r} was read as a --set item: put the corpus before --set)" if stray else ''))
+    if args.corpus in ('enwik8', 'books') and Path(args.corpus).exists():
+        warnings.warn(f"{args.corpus!r} names the course's {args.corpus} corpus, not the {args.corpus} here: "
+                      f"to train on that one, pass ./{args.corpus}")
     kind, preset = args.model or 'ct', args.preset or 'cpu-tiny'
     sets = list(args.sets) + ([f'device={args.device}'] if args.device else []) + ([f'precision={args.precision}'] if args.precision else [])
     mcfg, tcfg, rcfg = build_configs(kind, preset, sets, args.steps)
@@ -568,6 +591,13 @@ def _train(args, download) -> int:
     lock = folder_lock(run.path) if dist_rank_world()[0] == 0 else contextlib.nullcontext()   # DDP: rank 0 holds the folder
     try:
         with lock, _threads(run.run.threads):                           # one run per folder (a second one is refused)
+            if not args.resume:                                         # a new run writes config.json and results.json:
+                try: Run.load(run.path); foreign = None                 # over a run's (restarted before its first checkpoint)
+                except FileNotFoundError: foreign = None                # or into a folder without them, but over no other file
+                except ValueError as e: foreign = f'a config.json that is not a `ct` run\'s ({e})'
+                if foreign is None and (run.path/'results.json').exists() and not (run.path/'config.json').exists():
+                    foreign = 'a results.json that `ct train` did not write (no config.json)'
+                if foreign: raise ConfigError(f"{_q(run.path)} holds {foreign}: a new run would overwrite it; pick another --out")
             if not args.resume and run.checkpoint.exists():
                 if not (run.path/'config.json').is_file():              # e.g. a notebook's Trainer folder: nothing to --resume
                     raise ConfigError(f"{_q(run.path)} holds a checkpoint ({CKPT_NAME}) that `ct train` did not write (no config.json): pick another --out")
@@ -585,7 +615,8 @@ def _train(args, download) -> int:
 # %% ../nbs/10_cli.ipynb #6a95faa0
 def eval_command(args, download=download_file) -> int:
     "`ct eval`: bits per byte of a trained run on its valid or test split, optionally with longer memories."
-    run = Run.load(args.run_dir)
+    run = Run.load(_folder(args.run_dir, 'RUN_DIR', 'the --out folder of a `ct train` run'))
+    _folder(args.cache, '--cache', 'a folder for the download cache')
     if args.n_cm is not None and run.kind != 'ct':
         raise ConfigError(f"--n_cm: the run in {_q(args.run_dir)} is a Transformer-XL, which has no compressed memory; use --n_m")
     B = args.batch_size or run.run.eval_batch_size
@@ -597,8 +628,12 @@ def eval_command(args, download=download_file) -> int:
     t0 = time.perf_counter()
     precision = choose_precision(device, args.precision or run.train.precision)
     with _threads(run.run.threads): res = _finite(evaluate(model, loader, mem_len=args.n_m, max_batches=args.batches, precision=precision, **kw), f"the model of {_q(run.path)}", precision)
-    mem = f"n_m={run.model.n_m if args.n_m is None else args.n_m}"
-    if run.kind == 'ct': mem += f", n_cm={run.model.n_cm if args.n_cm is None else args.n_cm}"
+    n_m, n_cm = run.model.n_m if args.n_m is None else args.n_m, run.model.n_cm if args.n_cm is None else args.n_cm
+    mem = f"n_m={n_m}"
+    if run.kind == 'ct':
+        held = held_memory(n_m, n_cm, run.model.c)                      # evictions come in whole blocks of c
+        if held != n_m: mem += f" (holds {held}: whole blocks of c={run.model.c})"
+        mem += f", n_cm={n_cm}"
     part = _windows_read(args.batches, loader)
     _say(f"ct eval: {_q(run.path)} at step {step:,} ({MODEL_KINDS[run.kind].name}, {mem}), {B} streams, {part}, {time.perf_counter() - t0:.1f} s")
     _say(f"  loss {res['loss']:.4f} nats per byte, perplexity {res['ppl']:.3f}, {res['tokens']:,} bytes")
@@ -607,7 +642,7 @@ def eval_command(args, download=download_file) -> int:
 
 def sample_command(args, download=None) -> int:
     "`ct sample`: continue a prompt with a trained run's model."
-    run = Run.load(args.run_dir)
+    run = Run.load(_folder(args.run_dir, 'RUN_DIR', 'the --out folder of a `ct train` run'))
     tok = ByteTokenizer()
     ids = tok.encode(os.fsencode(args.prompt))                         # (T,) the bytes as given, UTF-8 or not (the model reads bytes)
     if len(ids) == 0: raise ConfigError("--prompt is empty: give at least one character to continue")
@@ -733,11 +768,12 @@ def bench_command(args, download=None) -> int:
     return 0
 
 # %% ../nbs/10_cli.ipynb #200ed634
-def _int_at_least(lo:int):
+def _int_at_least(lo:int, hi:int|None=None):
     def conv(s:str) -> int:
         try: v = int(s)
         except ValueError: raise argparse.ArgumentTypeError(f"{s!r} is not an int") from None
-        if v < lo: raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {v}")
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be an int {f'from {lo} to {hi:,}' if hi is not None else f'>= {lo}'}, got {v}")
         return v
     return conv
 
@@ -797,7 +833,7 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument('--temperature', type=_float_in(0, math.inf), default=1.0, help='0 is greedy (default 1.0)')
     s.add_argument('--top-k', type=_int_at_least(1), help='keep the k most likely bytes')
     s.add_argument('--top-p', type=_float_in(0, 1, lo_open=True), help='nucleus sampling mass (the paper: 0.98)')
-    s.add_argument('--seed', type=_int_at_least(0), default=0, help='the same seed gives the same sample')
+    s.add_argument('--seed', type=_int_at_least(0, MAX_SEED), default=0, help='the same seed gives the same sample')
     s.add_argument('--device', help="default: the run's device setting")
     s.add_argument('--precision', choices=PRECISIONS, help="default: the run's precision setting (e.g. fp16 on a T4 for a run trained in bf16)")
     s.set_defaults(func=sample_command)
