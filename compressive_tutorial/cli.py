@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 from .data import (
-    MAX_SEED, SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, check_int, download_file, encode_documents, load_books, load_enwik8, read_text,
+    MAX_SEED, MAX_TORCH_SEED, SPLITS, ByteTokenizer, Corpus, StreamLoader, books_folder, check_int, download_file, encode_documents, load_books, load_enwik8, read_text,
     strip_gutenberg, _PG_START)
 from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, held_memory, memory_summary, windows_per_call
@@ -439,7 +439,8 @@ def _folder(path:str|None, # a folder the command line names (None: not given)
     "The folder as a Path; a ConfigError for an empty string (an unset shell variable, which would name the current folder) or a file."
     if path is None: return None
     if not str(path).strip(): raise ConfigError(f"{option} is empty: pass {what} (an unset shell variable?)")
-    if Path(path).expanduser().is_file(): raise ConfigError(f"{option} {_q(path)} is a file: pass {what}")
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir(): raise ConfigError(f"{option} {_q(path)} is {'a file' if p.is_file() else 'not a folder'}: pass {what}")
     return Path(path)
 
 def _describe(kind:str, cfg:XLConfig, model:nn.Module) -> str:
@@ -833,7 +834,7 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument('--temperature', type=_float_in(0, math.inf), default=1.0, help='0 is greedy (default 1.0)')
     s.add_argument('--top-k', type=_int_at_least(1), help='keep the k most likely bytes')
     s.add_argument('--top-p', type=_float_in(0, 1, lo_open=True), help='nucleus sampling mass (the paper: 0.98)')
-    s.add_argument('--seed', type=_int_at_least(0, MAX_SEED), default=0, help='the same seed gives the same sample')
+    s.add_argument('--seed', type=_int_at_least(0, MAX_TORCH_SEED), default=0, help='the same seed gives the same sample')
     s.add_argument('--device', help="default: the run's device setting")
     s.add_argument('--precision', choices=PRECISIONS, help="default: the run's precision setting (e.g. fp16 on a T4 for a run trained in bf16)")
     s.set_defaults(func=sample_command)

@@ -1177,7 +1177,11 @@ def memory_plan(n_m:int=8, # memory slots of every Compressive Transformer
                 n_cm:int=8, # compressed slots of every Compressive Transformer (the paper: n_m = n_cm = 64)
                 rates=(1, 2, 4, 8) # the compression rates c swept
                ) -> dict: # name -> (n_m, n_cm, c)
-    "The sweep of §5.7 at equal attention cost: the Compressive Transformer at each rate, and a Transformer-XL with n_m + n_cm raw slots."
+    "The sweep of §5.7 at equal attention cost: the Compressive Transformer at each rate, and a Transformer-XL with n_m + n_cm raw slots (every rate must divide n_m: a CT holds whole blocks of c)."
+    uneven = [c for c in rates if n_cm and n_m % c]
+    if uneven: raise ValueError(f"rates {uneven} do not divide n_m={n_m}: a Compressive Transformer holds whole blocks of c (notebook 05's "
+                                f"held_memory), so it would attend to more keys than the Transformer-XL's {n_m + n_cm}; choose n_m a "
+                                "multiple of every rate")
     plan = {f'TXL n_m={n_m + n_cm}': (n_m + n_cm, 0, 1)}
     plan.update({f'CT c={c}': (n_m, n_cm, c) for c in rates})
     return plan

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['MU', 'N_CLASSES', 'SAMPLE_RATE', 'MAX_RESAMPLE_TAPS', 'FULL_SCALE', 'LJSPEECH_URL', 'LJSPEECH_SHA256',
            'LJSPEECH_CLIPS', 'LJSPEECH_SECONDS', 'LJSPEECH_HELD', 'KINDS', 'KIND_COLORS', 'GPU_STEPS',
-           'torchaudio_functional', 'mu_law_encode', 'mu_law_decode', 'resample', 'saturation_rails', 'read_clip',
+           'torchaudio_functional', 'mu_law_encode', 'mu_law_decode', 'resample', 'full_scale', 'read_clip',
            'ljspeech_split', 'ljspeech_clips', 'clip_codes', 'load_ljspeech', 'HeldClips', 'pcm_sha256',
            'verify_ljspeech', 'get_ljspeech', 'ljspeech_folder', 'save_codes', 'load_codes', 'code_entropy',
            'WaveNetConfig', 'receptive_field', 'WaveNetState', 'dilated_taps', 'GatedResidualLayer', 'WaveNet',
@@ -14,7 +14,7 @@ __all__ = ['MU', 'N_CLASSES', 'SAMPLE_RATE', 'MAX_RESAMPLE_TAPS', 'FULL_SCALE', 
            'gpu_run']
 
 # %% ../nbs/11_speech.ipynb #4cd5649e
-import codecs, collections, functools, hashlib, json, math, re, shutil, tarfile, time, zipfile, zlib
+import codecs, collections, functools, hashlib, json, math, re, shutil, tarfile, time
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -160,14 +160,13 @@ def resample(wave, # (..., N) float waveform: tensor or array
     return y.to(wave.dtype)
 
 # %% ../nbs/11_speech.ipynb #d70d17e7
-FULL_SCALE = 32767 / 32768   # the largest 16-bit sample: x >= this or x <= -1 is saturated (in a wider or float format too, conservatively)
-_FORMAT_RAILS = {'PCM_U8': (-1, 127 / 128), 'PCM_S8': (-1, 127 / 128),                      # 8-bit PCM: codes -128 .. 127, over 128
-                 'ULAW': (-32124 / 32768, 32124 / 32768), 'ALAW': (-32256 / 32768, 32256 / 32768)}   # G.711: symmetric, short of 1
+FULL_SCALE = 32767 / 32768   # |x| at or above this is a saturated 16-bit sample (and, conservatively, one of a wider or float format)
+_FORMAT_TOP = {'PCM_U8': 127 / 128, 'PCM_S8': 127 / 128, 'ULAW': 32124 / 32768, 'ALAW': 32256 / 32768}   # narrower codes' largest value
 
-def saturation_rails(subtype:str # soundfile's name of a file's sample format, e.g. 'PCM_16', 'PCM_U8', 'FLOAT'
-                    ) -> tuple: # (low, high): a sample at or beyond either is saturated
-    "The lowest and highest values a format's codes reach: -1 and 127/128 for 8-bit PCM, ±32124/32768 for µ-law, ±32256/32768 for A-law; -1 and `FULL_SCALE` for every other format."
-    return _FORMAT_RAILS.get(subtype, (-1.0, FULL_SCALE))
+def full_scale(subtype:str # soundfile's name of a file's sample format, e.g. 'PCM_16', 'PCM_U8', 'FLOAT'
+              ) -> float: # |x| at or above which a sample of that format is saturated
+    "The largest positive value a format's codes reach: 127/128 for 8-bit PCM, 32124/32768 for µ-law, 32256/32768 for A-law; `FULL_SCALE` for every other format. A clip saturated at either rail, or clipped symmetrically (at ±32767 in 16 bits), reaches it in magnitude."
+    return _FORMAT_TOP.get(subtype, FULL_SCALE)
 
 def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
               sample_rate:int=SAMPLE_RATE, # the rate the models expect; a file at another rate is resampled to it (`resample`)
@@ -179,7 +178,7 @@ def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f'{path}: no such file. Check the folder, or download the corpus again.')
     try:
-        with sf.SoundFile(str(path)) as f: x, sr, (low, high) = f.read(dtype='float32', always_2d=True), f.samplerate, saturation_rails(f.subtype)   # (N, channels)
+        with sf.SoundFile(str(path)) as f: x, sr, top = f.read(dtype='float32', always_2d=True), f.samplerate, full_scale(f.subtype)   # (N, channels)
     except (RuntimeError, TypeError, ValueError) as e:                            # soundfile's LibsndfileError is a RuntimeError
         raise ValueError(f'{path} is not audio that soundfile can read ({e}). Convert it to WAV or FLAC '
                          f'(e.g. ffmpeg -i {path.name} {path.stem}.flac), or remove it from the folder.') from None
@@ -189,7 +188,7 @@ def read_clip(path, # an audio file soundfile reads (WAV, FLAC, ...)
     if channels > 1 and not downmix:
         raise ValueError(f'{path} has {channels} channels but the models read mono audio: pass downmix=True to average '
                          f'the channels, or convert the file (e.g. ffmpeg -i {path.name} -ac 1 {path.stem}-mono.flac).')
-    clipped = float(((x <= low) | (x >= high)).any(1).mean())                    # share of saturated instants
+    clipped = float((np.abs(x) >= top).any(1).mean())                            # share of saturated instants
     if max_clipped is not None and clipped > max_clipped:
         raise ValueError(f'{path} is clipped: {clipped:.2%} of its samples sit at or beyond full scale (the limit is max_clipped='
                          f'{max_clipped:.2%}). Use an unclipped recording (a float file louder than full scale: scale it into '
@@ -217,7 +216,7 @@ def ljspeech_clips(folder, # an LJ Speech folder: metadata.csv and the audio in 
     meta = folder/'metadata.csv'
     if not meta.is_file(): raise FileNotFoundError(f'{folder} has no metadata.csv: pass the LJ Speech folder (the one that holds '
                                                    'metadata.csv and wavs/ or flac/), e.g. get_ljspeech() in Colab')
-    rows = meta.read_bytes().removeprefix(codecs.BOM_UTF8).split(b'\n')    # lines end in \n; only the id field is read, so a
+    rows = re.split(rb'\r\n|\r|\n', meta.read_bytes().removeprefix(codecs.BOM_UTF8))   # any line end; only the id field is read, so a
     ids = [r.split(b'|', 1)[0].strip().decode('utf-8', 'replace') for r in rows if r.strip()]   # transcript may hold any byte
     twice = [i for i, n in collections.Counter(ids).items() if n > 1]
     if twice: raise ValueError(f'{meta} lists {len(twice)} clip(s) more than once (first: {twice[:3]}): each would be read, '
@@ -377,8 +376,8 @@ def load_codes(path, # a file written by `save_codes`
         z, arrays = np.load(path, allow_pickle=False), None                      # an .npz archive (or one .npy array: no `files`)
         if hasattr(z, 'files'):
             with z: arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # not numpy's, or cut short
-        raise bad(f'{type(e).__name__}: {str(e)[:100]}') from None
+    except Exception as e:                                                       # not numpy's, cut short or damaged (zipfile,
+        raise bad(f'{type(e).__name__}: {str(e)[:100]}') from None             # zlib, numpy's header parser: each its own error)
     if arrays is None: raise bad('one array, not an .npz archive')
     splits = sorted({k.rsplit('.', 1)[0] for k in arrays}, key=lambda s: SPLITS.index(s) if s in SPLITS else len(SPLITS))
     expected = {f'{s}.{a}' for s in splits for a in ('tokens', 'doc_starts', 'names')}
@@ -523,7 +522,7 @@ def model_summary(kind:str, # 'txl', 'ct' or 'wavenet'
                   cfg, # its config
                   sample_rate:int=SAMPLE_RATE,
                  ) -> dict: # name, params, compression params, reach (samples and ms), attention cost
-    "What a model of the comparison is: its size, and how far back it reads: the WaveNet's receptive field less one, a transformer's temporal range (§3.3), counted beyond the window its query is in (up to n_s - 1 more inside it)."
+    "What a model of the comparison is: its size, and how far back it reads: the WaveNet's receptive field less one; a transformer's temporal range by the paper's formula (§3.3, `memory_summary`), counted beyond the window its query is in (up to n_s - 1 more inside it). The formula is exact when the memories' span n_m + c n_cm is a multiple of n_s, as in this notebook's configs; otherwise some queries reach further (`ct_dependency_reach` gives the exact farthest distance)."
     model = build_model(kind, cfg)
     comp = sum(p.numel() for p in compression_parameters(model))
     if kind == 'wavenet': reach, cost = cfg.receptive_field - 1, None
@@ -532,12 +531,13 @@ def model_summary(kind:str, # 'txl', 'ct' or 'wavenet'
                 reach=reach, reach_ms=1000 * reach / sample_rate, attention_cost=cost)
 
 def summary_table(configs:dict, # {kind: config}
+                  sample_rate:int=SAMPLE_RATE, # of the codes the models read (the reach in ms)
                  ) -> str: # a markdown table
     "The models of a comparison side by side: parameters, reach, attention cost."
     rows = ['| model | parameters | of which compression | reach (samples) | reach (ms) | attention scores per layer and window |',
             '|---|---:|---:|---:|---:|---:|']
     for kind, cfg in configs.items():
-        s = model_summary(kind, cfg)
+        s = model_summary(kind, cfg, sample_rate)
         rows.append(f"| {s['name']} | {s['params']:,} | {s['compression_params']:,} | {s['reach']:,} | {s['reach_ms']:.0f} | "
                     f"{'-' if s['attention_cost'] is None else format(s['attention_cost'], ',')} |")
     return '\n'.join(rows)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .data import MAX_SEED, Batch, check_int
+from .data import MAX_TORCH_SEED, Batch, check_int
 from .xl import XLConfig, TransformerXL, lm_loss, temporal_range
 from .model import CTConfig, CompressiveTransformer, attention_cost, ct_temporal_range, held_memory, windows_per_call
 from .train import TrainConfig, Trainer, hardware
@@ -225,7 +225,7 @@ class RecallConfig:
         if isinstance(self.task, dict): self.task = RecallTask(**self.task)     # a RecallTask's fields (asdict keeps no subclass: pass an OrderRecallTask itself)
         for name, lo in (('n_s', 1), ('txl_n_m', 0), ('ct_n_m', 0), ('n_cm', 0), ('c', 1), ('n_layers', 1), ('d_model', 1), ('n_heads', 1),
                          ('d_ff', 1), ('steps', 1), ('batch_size', 1), ('warmup_steps', 0), ('eval_batch_size', 1), ('eval_queries', 1), ('seed', 0)):
-            setattr(self, name, check_int(getattr(self, name), f'RecallConfig.{name}', lo, hi=MAX_SEED if name == 'seed' else None))   # (numpy ints: ints)
+            setattr(self, name, check_int(getattr(self, name), f'RecallConfig.{name}', lo, hi=MAX_TORCH_SEED if name == 'seed' else None))   # (numpy ints: ints)
         self.distances = tuple(check_int(D, f'RecallConfig.distances[{i}]', 0) for i, D in enumerate(self.distances))
         if not self.distances: raise ValueError("RecallConfig.distances is empty: name at least one distance D to evaluate.")
         self.task.check_layout(self.n_s, self.ct_n_m, self.c)
