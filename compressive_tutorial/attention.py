@@ -9,7 +9,7 @@ __all__ = ['ATTN_IMPLS', 'causal_mask', 'attention_mask', 'plot_mask', 'masked_a
            'weights_key', 'reversed_sinusoid', 'RelativeMultiHeadAttention']
 
 # %% ../nbs/01_attention.ipynb #bf498ed4
-import functools, itertools, math, os
+import functools, itertools, math, os, weakref
 from typing import NamedTuple
 import torch
 import torch.nn as nn
@@ -386,12 +386,16 @@ def _count_step(opt, args, kwargs): _STEPS[0] += 1
 if globals().get('_STEP_HOOK') is not None: _STEP_HOOK.remove()        # a reload (autoreload) drops the last import's hook
 _STEP_HOOK = register_optimizer_step_post_hook(_count_step)             # PyTorch calls it after every optimiser's step
 
-_UIDS = itertools.count(int.from_bytes(os.urandom(6), 'big') << 16)   # a random start: a tensor pickled in another process keeps its number
+_UIDS = itertools.count(int.from_bytes(os.urandom(6), 'big') << 16)   # a random start: numbers kept in a state that another process pickled do not recur
+_UID_OF = {}   # id(tensor) -> (a weak reference to it, its number); an entry leaves with its tensor
 
 def _uid(p:Tensor) -> int:
-    "A number naming the tensor object `p` for the life of the process (an address is reused once a tensor is freed; this is not)."
-    u = getattr(p, '_weights_uid', None)
-    if u is None: u = p._weights_uid = next(_UIDS)
+    "A number naming the tensor object `p` for its life in this process. Not its address, which a later tensor reuses once it is freed; not a number kept on the tensor, which its pickle would carry into every copy loaded from it."
+    k = id(p); e = _UID_OF.get(k)
+    if e is not None and e[0]() is p: return e[1]
+    def gone(ref, k=k):
+        if _UID_OF.get(k, (None,))[0] is ref: del _UID_OF[k]
+    u = next(_UIDS); _UID_OF[k] = (weakref.ref(p, gone), u)
     return u
 
 def hooks_key(*mods:nn.Module) -> tuple:

@@ -25,7 +25,7 @@ except ImportError: fcntl = None
 def flatten_tree(obj, # tensors, numbers, strings, None, lists, tuples, str/int-keyed dicts and dataclasses of them
                  prefix:str='' # path prefix of the tensor names
                 ) -> tuple: # ({path: tensor (a CPU copy)}, JSON-able skeleton)
-    "Flatten a nested structure into named tensors plus a JSON skeleton that `unflatten_tree` rebuilds it from."
+    "Flatten a nested structure into named tensors plus a JSON skeleton that `unflatten_tree` rebuilds it from. A dataclass field with `metadata={'transient': True}` (a cache that can be recomputed) is left out, and comes back as the template's."
     tensors = {}
     def go(o, path):
         if isinstance(o, Tensor):
@@ -33,8 +33,9 @@ def flatten_tree(obj, # tensors, numbers, strings, None, lists, tuples, str/int-
                                                  "'a' -> 'b', give the same name), so one would be lost: rename one of the keys.")
             tensors[path] = o.detach().to('cpu', copy=True).contiguous(); return {'T': path}
         if o is None or isinstance(o, (bool, int, float, str)): return {'V': o}
-        if dataclasses.is_dataclass(o) and not isinstance(o, type):
-            return {'C': type(o).__name__, 'F': {f.name: go(getattr(o, f.name), f'{path}.{f.name}') for f in dataclasses.fields(o)}}
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):              # (a field marked transient, e.g. a cache: left out)
+            return {'C': type(o).__name__, 'F': {f.name: go(getattr(o, f.name), f'{path}.{f.name}') for f in dataclasses.fields(o)
+                                                 if not f.metadata.get('transient')}}
         if isinstance(o, (list, tuple)):
             return {'L' if isinstance(o, list) else 'U': [go(v, f'{path}.{i}') for i, v in enumerate(o)]}
         if isinstance(o, dict):

@@ -19,6 +19,7 @@ from torch import Tensor
 from .data import check_int
 from .xl import XLConfig, Memory, empty_memory, fifo_push, memory_push, visible_after, mask_memory, XLLayer, TransformerXL, reach_from_visibility
 from .compress import COMPRESSORS, make_compressor, check_divisible, attention_usage
+from .attention import has_hooks
 from .losses import CompressionLoss, make_decoder, compression_loss, check_compression_setup, projected_reconstruction_loss
 
 # %% ../nbs/05_compressive_transformer.ipynb #b340cb09
@@ -201,7 +202,7 @@ def layer_compression_loss(layer:XLLayer, # the layer whose memories were compre
                            new_cm:Tensor, # (B, k, d) f_c(old.mem), with its graph
                            kind:str|CompressionLoss='attention', # 'attention' (Algorithm 2), 'autoencode', 'bptt' or 'none'
                            decoder:nn.Module|None=None, # the layer's decoder g (for 'autoencode')
-                           proj:tuple|None=None, # (q, k_old, v_old) the layer's own projections (B, H, n, d_h), for 'attention'
+                           proj:tuple|None=None, # (q, k_old, v_old) the layer's own projections (B, H, n, d_h), for 'attention' (None: from the weights, as with hooks)
                            streams:tuple|None=None # `qualifying_streams(old)`, if already known; None: found here
                           ) -> Tensor|None: # scalar; None if nothing was compressed, no stream qualifies, or `kind` has no loss
     "One layer's auxiliary loss over the streams whose evicted memories are all valid (pre-LN: through a frozen ln1); `proj` reuses the layer's projections."
@@ -242,6 +243,12 @@ class CompressiveTransformer(TransformerXL):
         self.aux_rows = 0                            # streams whose evictions entered the aux losses, summed over windows (DDP weighs ranks by it)
         self._streams = None                         # this window's `qualifying_streams`, found in layer 0 and used by every layer
         self.aux_graph_disjoint = True               # aux_loss reads only detached tensors: its graph shares no node with the task loss's
+
+    def __getstate__(self):
+        "What a copy takes (`copy.deepcopy`, pickle): the last aux loss's value, not its graph, which only this model can backpropagate (PyTorch refuses to copy a tensor with a graph)."
+        state = super().__getstate__()
+        if isinstance(state.get('aux_loss'), Tensor): state['aux_loss'] = state['aux_loss'].detach()
+        return state
 
     def compression_parameters(self):
         "The parameters of every f_c and decoder g: trained by `aux_loss` (or by the task loss in 'bptt' mode) only."
@@ -353,7 +360,8 @@ class CompressiveTransformer(TransformerXL):
                                         self.compression_loss.keeps_graph, wv, age)            # 8-11
         if self.compression_hook is not None: self.compression_hook(i, w, upd.old, upd.new_cm)
         n_old = upd.old.length                                               # old = [m; window][:n_old]: keys CM .. CM+n_old-1
-        proj = None if P else (r.q, r.k[:, :, CM:CM + n_old], r.v[:, :, CM:CM + n_old])   # the layer's q (if it saw the whole window) and its keys/values of `old`
+        hooked = has_hooks(layer, layer.attn, layer.attn.q, layer.attn.k, layer.attn.v, backward=False)   # the aux loss reads the weights
+        proj = None if P or hooked else (r.q, r.k[:, :, CM:CM + n_old], r.v[:, :, CM:CM + n_old])   # the layer's q (if it saw the whole window) and its keys/values of `old`
         new_m, new_cm = upd.m, upd.cm
         if cache:                                                            # the new m is the tail of [m; window], so of r.k, r.v
             new_m = Memory(new_m.mem, new_m.valid, self._keep_kv(tag, [r.k], [r.v], new_m.mem))

@@ -349,7 +349,7 @@ def _trainer_checkpoint(path) -> tuple: # ({name: tensor}, meta)
     return tensors, meta
 
 class Trainer:
-    "Trains any model of the package's interface window after window; saves and resumes runs exactly."
+    "Trains any model of the package's interface window after window; saves and resumes runs exactly. It trains the weights that require a gradient when it is built: one frozen later (`requires_grad_(False)`) gets no gradient from then on; one unfrozen later is not trained (build a new Trainer)."
     def __init__(self, model:nn.Module, # a model of the package's interface: init_state, forward -> (logits, loss, state)
                  train_loader, # re-iterable Batch(x, y, reset) windows (StreamLoader); re-read from window 0 each pass
                  valid_loader=None, # evaluated every `cfg.eval_every` iterations, and the default of `evaluate`
@@ -431,12 +431,13 @@ class Trainer:
             warnings.warn("model.aux_loss has autograd history but model.compression_parameters() gives nothing: it is "
                           "logged, not trained. Expose the compression network's parameters to train it.")
             self._warned_aux = True
-        task_params = self.params + (self.comp_params if not train_aux else [])  # no trained aux loss (BPTT): task loss trains f_c
+        trainable = lambda ps: [p for p in ps if p.requires_grad]               # (a weight frozen since the Trainer was built: none)
+        task_params = trainable(self.params + (self.comp_params if not train_aux else []))   # no trained aux loss (BPTT): task loss trains f_c
         keep = train_aux and not getattr(model, 'aux_graph_disjoint', False)     # a shared graph must survive the first backward
-        torch.autograd.backward(scaled(loss * (share / k), self.scaler), inputs=task_params, retain_graph=keep)   # DDP averages these
+        if task_params: torch.autograd.backward(scaled(loss * (share / k), self.scaler), inputs=task_params, retain_graph=keep)   # DDP averages these
         rows = (getattr(model, 'aux_rows', None) if train_aux else 0)            # the streams this rank's aux loss averaged over
         aux_share = self._aux_share(1 if rows is None else rows) if self.copt is not None else 0.0   # DDP: every rank takes part
-        if train_aux: torch.autograd.backward(scaled(aux * (aux_share / k), self.fc_scaler), inputs=self.comp_params)
+        if train_aux and trainable(self.comp_params): torch.autograd.backward(scaled(aux * (aux_share / k), self.fc_scaler), inputs=trainable(self.comp_params))
         average_grads(self.comp_params, self.world, self.device)                 # outside DDP: averaged here
         layers = getattr(model, 'aux_losses', None)                              # per-layer values, for the history
         grad_norm, skipped = None, False

@@ -10,7 +10,7 @@ __all__ = ['XLConfig', 'KVCache', 'memory_key', 'Memory', 'empty_memory', 'fifo_
 
 # %% ../nbs/02_transformer_xl.ipynb #eaf3bd7e
 import math
-from dataclasses import dataclass, replace, fields, is_dataclass
+from dataclasses import dataclass, field, replace, fields, is_dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -79,7 +79,8 @@ class Memory:
     "One layer's memory: that layer's past inputs, oldest first, and which slots hold something."
     mem:Tensor    # (B, M, d) detached layer inputs from earlier windows, oldest first
     valid:Tensor  # (B, M) bool: False = empty slot, or a state of an episode that has ended; never attended
-    kv:KVCache|None = None   # evaluation only: the slots' keys/values, so the next window need not project them again
+    kv:KVCache|None = field(default=None, metadata={'transient': True})   # evaluation only: the slots' keys/values, so the next window need
+                                                                       # not project them again (a checkpoint leaves it out: `flatten_tree`)
 
     @property
     def length(self) -> int: return self.mem.shape[1]
