@@ -408,7 +408,7 @@ def has_hooks(*mods:nn.Module, backward:bool=True) -> bool:
 
 
 def weights_key(*ps:Tensor) -> tuple:
-    "Identity of weights, for a value computed from them and kept: each one's object, storage and in-place version, and the optimiser steps taken in this process (a fused step leaves the versions as they were)."
+    "Identity of weights, for a value computed from them and kept: each one's object, storage and in-place version, and the optimiser steps taken in this process (a fused step leaves the versions as they were). A write through `p.data` is not seen, and `module.half()` then `.float()` writes so (the new storage may take the old one's address): after such a round trip, `model.load_state_dict(model.state_dict())` renews every key."
     if _func_transforms_active(): return (object(),)   # inside torch.func (an ensemble through vmap): no storage of its own; never kept
     return tuple((_uid(p), p.data_ptr(), object() if p.is_inference() else p._version) for p in ps) + (_STEPS[0],)   # (an inference
                                                                                 # tensor keeps no version: a key that never matches, nothing kept)
