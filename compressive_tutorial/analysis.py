@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from .data import Batch, check_int
 from .model import AttentionRecord, CompressiveTransformer, ct_temporal_range, held_memory, layer_compression_loss
+from .attention import attention_mask
 from .losses import CompressionLoss
 from .train import evaluate
 
@@ -54,11 +55,10 @@ def attention_buckets(record:AttentionRecord, # one layer's attention in one win
     B, T, K = p.shape
     N = record.n_cm + record.n_m                                       # memory slots in front of the window
     if queries == 'all': slot = p.mean(1)                              # (B, K) 2. mean over all T queries (masked pairs are 0)
-    else:
-        seen = torch.full((K,), float(T), dtype=torch.float64, device=p.device)     # (K,) queries that see each key
-        own = torch.arange(K - N, dtype=torch.float64, device=p.device) - record.n_open   # window key j: the queries' own step j
-        seen[N:] = T - own.clamp(min=0)                                 # is seen by queries j..T-1; earlier (open) steps by all
-        slot = p.sum(1) / seen                                         # (B, K) 2'. mean over the queries that see the slot
+    else:                                                              # which queries see each key: causal, and within an episode
+        vis = attention_mask(T, K - T, first=record.first, device=p.device)   # (1 or B, 1, T, K): keys in front of the queries' own
+        seen = vis[:, 0].sum(1, dtype=torch.float64)                    # (1 or B, K) e.g. window key j: queries j..T-1, if no start between
+        slot = p.sum(1) / seen                                         # (B, K) 2'. mean over the queries that see the slot (none: NaN)
     if valid is not None:
         if valid.shape != (B, N): raise ValueError(f"valid must be (B, n_cm + n_m) = ({B}, {N}), got {tuple(valid.shape)}.")
         slot = torch.cat([slot[:, :N].masked_fill(~valid.to(p.device, torch.bool), float('nan')), slot[:, N:]], 1)  # (B, K)
@@ -230,8 +230,9 @@ def plot_attention_buckets(result:AttentionBuckets, # from `collect_attention`
         ax.text((s + .5) * nb - .5, 1.0, SEGMENT_NAMES[name], transform=ax.get_xaxis_transform(), ha='center', va='bottom', fontsize=9)
     if layer == 'all':
         mean, sem = result.mean.numpy(), result.sem.numpy()                   # (L, 3nb)
+        step = min(.08, .8 / result.n_layers)                                # every layer's points within 0.4 of their bucket
         for i in range(result.n_layers):
-            ax.errorbar(x + (i - (result.n_layers - 1) / 2) * .08, mean[i], yerr=sem[i], marker='o', ms=3, lw=1, capsize=2, label=f'layer {i + 1}')
+            ax.errorbar(x + (i - (result.n_layers - 1) / 2) * step, mean[i], yerr=sem[i], marker='o', ms=3, lw=1, capsize=2, label=f'layer {i + 1}')
         ax.legend(fontsize=8, ncol=min(4, result.n_layers), loc='upper left')
         what = 'every layer'
     else:
@@ -415,8 +416,12 @@ def plot_compression_loss(per_layer, # a LayerLosses, a list of per-layer values
                          ):
     "Figure-6-style plot: compression (attention-reconstruction) loss against the layer index, 1-sigma SE bars if known."
     import matplotlib.pyplot as plt
-    if ax is None: _, ax = plt.subplots(figsize=(5, 3.2))
     runs = per_layer if isinstance(per_layer, dict) else {None: per_layer}
+    sizes = {label: len(v.mean) if isinstance(v, LayerLosses) else np.size(v) for label, v in runs.items()}
+    if not runs or not all(sizes.values()):
+        raise ValueError(f"plot_compression_loss got no layers to plot ({sizes or 'no runs'}): pass compression_loss_by_layer's result, "
+                         "a list of per-layer values, or a dict of them")
+    if ax is None: _, ax = plt.subplots(figsize=(5, 3.2))
     for label, v in runs.items():
         if isinstance(v, LayerLosses): mean, sem = v.mean.numpy(), v.sem.numpy()
         else: mean, sem = np.asarray(v, dtype=float), None
@@ -440,16 +445,18 @@ def compression_loss_history(history:list # Trainer.history: rows with 'aux_laye
 
 def plot_compression_loss_history(history:list, # Trainer.history
                                   ax=None, # matplotlib axes; None makes a new figure
-                                  log:bool=True # log-scale y axis
+                                  log:bool=True, # log-scale y axis
+                                  kind:str='attention' # the model's compression_loss: what the logged per-layer losses are
                                  ):
-    "Per-layer compression loss over training, one line per layer, from the trainer's history."
+    "Per-layer auxiliary loss over training, one line per layer, from the trainer's history: the compression loss (Algorithm 2) for `kind='attention'`, else named by its kind."
     import matplotlib.pyplot as plt
+    what = 'compression loss' if CompressionLoss(kind) is CompressionLoss.ATTENTION else f'auxiliary loss ({CompressionLoss(kind).value})'
     steps, losses = compression_loss_history(history)
     if ax is None: _, ax = plt.subplots(figsize=(6, 3.2))
     for i in range(losses.shape[1]): ax.plot(steps, losses[:, i], label=f'layer {i + 1}')
     if log: ax.set_yscale('log')
-    ax.set_xlabel('iteration'); ax.set_ylabel('compression loss (training)'); ax.legend(fontsize=8)
-    ax.set_title('per-layer compression loss during training', fontsize=10)
+    ax.set_xlabel('iteration'); ax.set_ylabel(f'{what} (training)'); ax.legend(fontsize=8)
+    ax.set_title(f'per-layer {what} during training', fontsize=10)
     return ax
 
 # %% ../nbs/07_analysis.ipynb #1e92c046
@@ -492,7 +499,8 @@ class _Unscored:
 
 def memory_sweep_table(rows:list # from `eval_across_memory_sizes`
                       ) -> str: # a markdown table, one column per size (like Tables 8-9)
-    "Format a memory-size sweep as a markdown table: compressed memory size, slots, temporal range, bits per byte."
+    "Format a memory-size sweep as a markdown table: compressed memory size, slots (the memory as held, whole blocks of c, plus n_cm), temporal range, bits per byte."
+    if not rows: raise ValueError("memory_sweep_table got no rows: pass what eval_across_memory_sizes returned")
     head = '| compressed memory size | ' + ' | '.join(str(r['n_cm']) for r in rows) + ' |'
     lines = [head, '|---' * (len(rows) + 1) + '|']
     for name, key, fmt in (('memory slots (n_m + n_cm)', 'slots', '{}'), ('temporal range', 'temporal_range', '{}'), ('bits per byte', 'bpb', '{:.4f}')):

@@ -501,16 +501,18 @@ def plot_order_recall(res:dict, # from `run_order_recall`
     fine = list(range(0, max(Ds) + 6))
     full = [D for D in fine if order_zones(D, *args)['compressed'] == 1]
     if full: ax.axvspan(full[0], full[-1], color='#f4a259', alpha=.15, label='every block compressed')
+    n_var = len(res['variants'])
     for i, name in enumerate(res['variants']):
         accs = np.array([res['accuracy'][name][s] for s in res['seeds']])            # (seeds, D)
         line, = ax.plot(Ds, accs.mean(0), 'o-', lw=2, ms=4, label=name, zorder=3)
-        for a in accs: ax.plot(np.array(Ds) + (i - 2) * .5, a, '.', color=line.get_color(), alpha=.5, ms=5)
+        for a in accs: ax.plot(np.array(Ds) + (i - (n_var - 1) / 2) * .5, a, '.', color=line.get_color(), alpha=.5, ms=5)   # seeds beside their line
     ax.plot(fine, [order_predicted(D, *args, n_cues=cfg.task.n_cues) for D in fine], 'k--', lw=1, label='perfect reader')
     ax.plot(fine, [order_predicted(D, *args, n_cues=cfg.task.n_cues, pooled=True) for D in fine], 'k:', lw=1.5,
             label='pooling ceiling (1/2 once compressed)')
     ax.axhline(cfg.task.chance, color='grey', lw=1, ls='-.', label=f'chance 1/{cfg.task.n_cues}')
     ax.set_xlim(0, fine[-1])
-    ax.set_xlabel('D: distractors between the block [X, Y, d, d] and the query'); ax.set_ylabel('test accuracy (answer X)')
+    block = ', '.join(['X', 'Y'] + ['d'] * (cfg.task.c - 2))                       # the task's block: X, Y and c - 2 fillers
+    ax.set_xlabel(f'D: distractors between the block [{block}] and the query'); ax.set_ylabel('test accuracy (answer X)')
     ax.set_ylim(0, 1.05); ax.set_title(title or 'Order recall at equal attention cost: which f_c keeps the order?', fontsize=10)
     ax.legend(fontsize=8, loc='upper center', bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
     return ax
