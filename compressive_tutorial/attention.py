@@ -389,6 +389,7 @@ _STEP_HOOK = register_optimizer_step_post_hook(_count_step)             # PyTorc
 _UIDS = itertools.count(int.from_bytes(os.urandom(6), 'big') << 16)   # a random start: numbers kept in a state that another process pickled do not recur
 _UID_OF = {}   # id(tensor) -> (a weak reference to it, its number); an entry leaves with its tensor
 
+@torch.compiler.disable                                                   # (run eagerly inside a compiled model: the map is Python state)
 def _uid(p:Tensor) -> int:
     "A number naming the tensor object `p` for its life in this process. Not its address, which a later tensor reuses once it is freed; not a number kept on the tensor, which its pickle would carry into every copy loaded from it."
     k = id(p); e = _UID_OF.get(k)

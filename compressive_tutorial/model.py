@@ -362,7 +362,8 @@ class CompressiveTransformer(TransformerXL):
                                         self.compression_loss.keeps_graph, wv, age)            # 8-11
         if self.compression_hook is not None: self.compression_hook(i, w, upd.old, upd.new_cm)
         n_old = upd.old.length                                               # old = [m; window][:n_old]: keys CM .. CM+n_old-1
-        hooked = has_hooks(layer, layer.attn, layer.attn.q, layer.attn.k, layer.attn.v, backward=False)   # the aux loss reads the weights
+        hooked = has_hooks(layer, layer.attn, layer.attn.q, layer.attn.k, layer.attn.v, *([layer.ln1] if layer.pre_ln else []),
+                           backward=False)                                  # the aux loss reads the weights, not the hooked modules
         proj = None if P or hooked else (r.q, r.k[:, :, CM:CM + n_old], r.v[:, :, CM:CM + n_old])   # the layer's q (if it saw the whole window) and its keys/values of `old`
         new_m, new_cm = upd.m, upd.cm
         if cache:                                                            # the new m is the tail of [m; window], so of r.k, r.v

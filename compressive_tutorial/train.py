@@ -349,7 +349,7 @@ def _trainer_checkpoint(path) -> tuple: # ({name: tensor}, meta)
     return tensors, meta
 
 class Trainer:
-    "Trains any model of the package's interface window after window; saves and resumes runs exactly. It trains the weights that require a gradient when it is built: one frozen later (`requires_grad_(False)`) gets no gradient from then on; one unfrozen later is not trained (build a new Trainer)."
+    "Trains any model of the package's interface window after window; saves and resumes runs exactly. It trains the weights that require a gradient when it is built: one frozen later (`requires_grad_(False)`) gets no gradient from then on (in one process; under torchrun, refused); one unfrozen later is not trained (build a new Trainer)."
     def __init__(self, model:nn.Module, # a model of the package's interface: init_state, forward -> (logits, loss, state)
                  train_loader, # re-iterable Batch(x, y, reset) windows (StreamLoader); re-read from window 0 each pass
                  valid_loader=None, # evaluated every `cfg.eval_every` iterations, and the default of `evaluate`
@@ -413,6 +413,11 @@ class Trainer:
     def train_step(self, batch) -> dict:
         "One window: forward, backward of each loss into its own parameters, and an update when §5.5.1 says so."
         cfg, model = self.cfg, self.model
+        if self.world > 1 and not all(p.requires_grad for p in self.params):   # DDP averages the gradients it was built for
+            name = next(n for n, p in model.named_parameters() if any(p is q for q in self.params) and not p.requires_grad)
+            raise RuntimeError(f"{name} was frozen after the Trainer was built: under torchrun its DistributedDataParallel waits for "
+                               "the gradients of the weights that required one then, and the ranks would drift apart. Freeze "
+                               "weights before building the Trainer (build a new one now)")
         n_all, read = int((batch.y != -100).sum()), batch.x.numel()             # targets and tokens of the whole batch, all ranks
         batch = shard_batch(batch, self.rank, self.world)                        # DDP: this rank's block of streams
         n = int((batch.y != -100).sum())                                         # its targets, counted before the copy to the device
