@@ -41,6 +41,11 @@ def _check_record(record):
     if record.probs.shape[2] != record.T or record.probs.shape[3] != K:
         raise ValueError(f"record.probs has shape {tuple(record.probs.shape)} but n_cm={record.n_cm}, n_m={record.n_m}, "
                          f"n_open={record.n_open}, T={record.T} need (B, H, {record.T}, {K}): the record does not match its segment sizes.")
+    B = record.probs.shape[0]
+    for name, want in (('first', (B, record.T)), ('valid', (B, K - record.T))):   # (one row per stream: none broadcast)
+        t = getattr(record, name)
+        if t is not None and (tuple(t.shape) != want or t.dtype != torch.bool):
+            raise ValueError(f"record.{name} must be None or a {want} bool tensor, one row per stream; got {tuple(t.shape)} {t.dtype}.")
 
 # %% ../nbs/07_analysis.ipynb #a937cb28
 def attention_buckets(record:AttentionRecord, # one layer's attention in one window (`model.attention_records[i]`)
@@ -56,7 +61,7 @@ def attention_buckets(record:AttentionRecord, # one layer's attention in one win
     N = record.n_cm + record.n_m                                       # memory slots in front of the window
     if queries == 'all': slot = p.mean(1)                              # (B, K) 2. mean over all T queries (masked pairs are 0)
     else:                                                              # which queries see each key: causal, and within an episode
-        vis = attention_mask(T, K - T, first=record.first, device=p.device)   # (1 or B, 1, T, K): keys in front of the queries' own
+        vis = attention_mask(T, K - T, record.valid, record.first, p.device)   # (1 or B, 1, T, K): keys in front of the queries' own
         seen = vis[:, 0].sum(1, dtype=torch.float64)                    # (1 or B, K) e.g. window key j: queries j..T-1, if no start between
         slot = p.sum(1) / seen                                         # (B, K) 2'. mean over the queries that see the slot (none: NaN)
     if valid is not None:
@@ -417,7 +422,7 @@ def plot_compression_loss(per_layer, # a LayerLosses, a list of per-layer values
     "Figure-6-style plot: compression (attention-reconstruction) loss against the layer index, 1-sigma SE bars if known."
     import matplotlib.pyplot as plt
     runs = per_layer if isinstance(per_layer, dict) else {None: per_layer}
-    sizes = {label: len(v.mean) if isinstance(v, LayerLosses) else np.size(v) for label, v in runs.items()}
+    sizes = {label: len(v.mean) if isinstance(v, LayerLosses) else np.asarray(v, dtype=float).size for label, v in runs.items()}
     if not runs or not all(sizes.values()):
         raise ValueError(f"plot_compression_loss got no layers to plot ({sizes or 'no runs'}): pass compression_loss_by_layer's result, "
                          "a list of per-layer values, or a dict of them")

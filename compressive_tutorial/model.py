@@ -183,6 +183,7 @@ class AttentionRecord:
     T:int          # queries: this call's steps of the window
     n_open:int = 0 # the window's earlier steps, from previous calls (keys between m and the queries' own)
     first:Tensor|None = None # (B, T) bool: where this call's steps start an episode (forward's `first`), hiding earlier keys; None: none
+    valid:Tensor|None = None # (B, n_cm + n_m + n_open) bool: which keys in front of the call's steps were readable (False: empty, or cleared by an earlier episode start); None: all
 
     @property
     def segments(self) -> dict:
@@ -349,7 +350,8 @@ class CompressiveTransformer(TransformerXL):
         r = self._attend(layer, h, [cm, m, window], first, tag, need_probs)  # 5-7, 12. out (B, n, d); k, v over [cm; m; window; h]
         p = r.probs                                                          # (B, H, n, CM+M+P+n) or None
         if self.record_attention: self.attention_records[i] = AttentionRecord(self._own(p.detach()), CM, m.length, h.shape[1], P,
-                                                                              None if first is None else first.clone())
+                                                                              None if first is None else first.clone(),
+                                                                              torch.cat([cm.valid, m.valid, window.valid], 1))   # (B, K - n)
         if usage is not None: usage = usage + attention_usage(p, CM, CM + m.length).to(usage.dtype)   # (B, M)
         keep, new_valid = ends                                               # what stays readable after these steps
         cm, m, window = mask_memory(cm, keep), mask_memory(m, keep), mask_memory(window, keep)
