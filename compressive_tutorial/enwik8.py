@@ -201,15 +201,14 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     spec, fspec = _spec(preset, data), folder/'protocol.json'
     rank, world = dist_rank_world()
     writes = rank == 0                                                  # under torchrun rank 0 alone writes the run's files, as the trainer does
-    if fspec.exists():
+    ckpt = folder/'last.safetensors'
+    if fspec.exists() and ckpt.exists():                                # a run holds the folder: it must be this one
         try: old = json.loads(fspec.read_text())
         except ValueError as e: raise ValueError(f'{fspec} is damaged ({e}): restore it from a copy, or give this run another folder') from None
         if old != json.loads(json.dumps(spec)):
             diff = sorted({k for k in spec['preset'] if old['preset'].get(k) != spec['preset'][k]} | ({'data'} if old['data'] != spec['data'] else set()))
             raise ValueError(f'{folder} holds a run of another preset or data (differs in {diff}); continue it with the same '
                              'preset and data, or give this run another folder')
-    elif writes:
-        write_atomic(fspec, json.dumps(spec, indent=1))
     dev = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     cfg, tcfg = preset.model_config(), preset.train_config(progress)
     u = windows_per_call(cfg)
@@ -217,9 +216,9 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     valid_dl = StreamLoader(data['valid'], preset.eval_batch_size, cfg.n_s)
     seed_everything(preset.seed)
     model = build_model('ct', cfg).to(dev)
-    ckpt = folder/'last.safetensors'
     trainer = (Trainer.resume(ckpt, model, train_dl, valid_dl, tcfg, ckpt_dir=folder) if ckpt.exists()
                else Trainer(model, train_dl, valid_dl, tcfg, ckpt_dir=folder))
+    if writes: write_atomic(fspec, json.dumps(spec, indent=1))          # once the run is built (a failed first call leaves no claim)
     start, t0 = trainer.step, time.perf_counter()
     row = dict(session=os.urandom(6).hex(), start_step=start, hardware=hardware(dev, tcfg.precision), date=time.strftime('%Y-%m-%d %H:%M'))
     if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats(dev)
@@ -274,7 +273,13 @@ def evaluate_protocol(model, # a trained Compressive Transformer (e.g. `train_pr
     sizes = sweep_sizes(preset) if sizes is None else sizes
     if not sizes: raise ValueError("evaluate_protocol got no sizes: pass None (sweep_sizes) or a list of n_cm values")
     skip = warmup_windows(n_s, preset.n_m, max(sizes), preset.c)        # the windows that fill the largest size: read, not scored
-    sweep = eval_across_memory_sizes(model, StreamLoader(data['valid'], B, n_s), sizes, skip=skip,
+    valid_dl = StreamLoader(data['valid'], B, n_s)
+    if valid_batches is not None: valid_batches = check_int(valid_batches, 'valid_batches', none='the whole split')
+    if len(valid_dl) <= skip:
+        raise ValueError(f"the valid split gives {len(valid_dl)} windows of {B} streams x n_s={n_s}, but filling the largest compressed memory "
+                         f"(n_cm={max(sizes)}) takes {skip} before any is scored: pass smaller sizes, a smaller preset.eval_batch_size "
+                         "(longer streams), or a longer valid split")
+    sweep = eval_across_memory_sizes(model, valid_dl, sizes, skip=skip,
                                      max_batches=None if valid_batches is None else skip + valid_batches, shard=shard)
     best = min(sweep, key=lambda r: r['bpb'])['n_cm']
     test_dl = StreamLoader(data['test'], B, n_s)                         # tail='pad': every test byte is scored once
