@@ -13,8 +13,8 @@ named, by cell id, beside every unflagged one): a command stopped at its time li
 returns what finished, and running it again re-runs only what a cell does not find in its run caches.
 
 `merge` copies the outputs of the flagged cells, and of nothing else, from the returned notebook into the repository's
-one, matching cells by id; it refuses a cell whose source changed since the run, and leaves a cell that ended in an
-error as it was. The other cells keep their committed
+one, matching cells by id, each cell on its own: it leaves as they were a cell whose source changed here since the run
+and a cell that ended in an error (and says so), and refuses a run that found no CUDA device. The other cells keep their committed
 outputs (which come from the runs their text describes). See .ci/GPU.md for the whole session.
 """
 import argparse, ast, json, os, re, sys, time
@@ -22,6 +22,11 @@ from pathlib import Path
 
 RAN = 'ct_gpu_ran'   # cell metadata `run` sets on each cell it executed: `merge` takes outputs only from those (the others hold
                      # the outputs the notebook was committed with)
+CPU = 'ct_gpu_on_cpu'   # notebook metadata `run` sets where it found no CUDA device: `merge` refuses its gpu cells' outputs
+
+def _cuda() -> bool:
+    try: import torch; return torch.cuda.is_available()
+    except ImportError: return False
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,7 +107,10 @@ def run(nb_path:Path, out:Path, flags:set, cells:list|None=None) -> int:
         known = {c.get('id') for c in nb.cells if flagged(c, flags)}
         if unknown := set(cells) - known: raise SystemExit(f"--cells {' '.join(sorted(unknown))}: not flagged {sorted(flags)} cells of {nb_path} ({sorted(known)})")
     out.parent.mkdir(parents=True, exist_ok=True)
-    os.environ['IN_TEST'] = '1'                                 # as nbdev_test sets it
+    # (IN_TEST is not set, unlike nbdev_test: the notebooks pin torch to one CPU thread under it, for a 2-core machine running
+    # several notebooks at once; here one notebook has the GPU machine's cores)
+    if 'gpu' in flags and not _cuda():                          # `merge` refuses these outputs unless told they may come from a CPU
+        print('no CUDA device here: the gpu cells run on the CPU', flush=True); nb.metadata[CPU] = True
     os.chdir(nb_path.resolve().parent)                          # as nbdev_test: paths in the notebook are relative to it
     sh, t_all = CaptureShell(nb_path.resolve()), time.time()
     for i, c in enumerate(nb.cells):
@@ -123,29 +131,33 @@ def run(nb_path:Path, out:Path, flags:set, cells:list|None=None) -> int:
     return 0
 
 
-def merge(returned:Path, target:Path, flags:set) -> int:
-    "Copy the outputs of the flagged cells that ran in `returned` into `target` (matched by cell id); 0 unless one ended in an error."
+def merge(returned:Path, target:Path, flags:set, allow_cpu:bool=False) -> int:
+    "Copy the outputs of the flagged cells that ran in `returned` into `target` (matched by cell id), each cell on its own; 0 unless one ended in an error or changed here since it ran."
     got, nb = json.loads(Path(returned).read_text()), json.loads(Path(target).read_text())
+    if 'gpu' in flags and got.get('metadata', {}).get(CPU) and not allow_cpu:
+        raise SystemExit(f"{returned} ran its gpu cells on a machine without CUDA: its outputs are not the GPU's results, and "
+                         "nothing was copied (pass --allow-cpu to take them anyway).")
     by_id = {c.get('id'): c for c in got['cells']}
-    n, empty, failed, idle = 0, [], [], []
-    for c in nb['cells']:
+    n, empty, failed, idle, changed, absent = 0, [], [], [], [], []
+    for c in nb['cells']:                                        # each cell on its own: one that cannot be taken stops no other
         if not flagged(c, flags): continue
-        r = by_id.get(c.get('id'))
-        if r is None or src(r) != src(c):
-            raise SystemExit(f"{target}: cell {c.get('id')} {'is not in' if r is None else 'changed since'} {returned}: "
-                             f"run it again on the GPU machine.")
-        if not r.get('metadata', {}).get(RAN): idle.append(c.get('id')); continue   # not run there: what it holds is the old outputs
+        cid, r = c.get('id'), by_id.get(c.get('id'))
+        if r is None: absent.append(cid); continue               # new or renamed since the run
+        if not r.get('metadata', {}).get(RAN): idle.append(cid); continue   # not run there: what it holds is the old outputs
         outs = r.get('outputs', [])
-        if any(o.get('output_type') == 'error' for o in outs): failed.append(c.get('id')); continue   # keep the old outputs
+        if any(o.get('output_type') == 'error' for o in outs): failed.append(cid); continue   # keep the old outputs
+        if src(r) != src(c): changed.append(cid); continue      # ran as other code than the repository's now: not its results
         c['outputs'], c['execution_count'] = outs, r.get('execution_count')
         n += 1
-        if not outs: empty.append(c.get('id'))
+        if not outs: empty.append(cid)
     Path(target).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + '\n')
     print(f'{target}: outputs of {n} flagged cell(s) copied from {returned}' +
           (f'; {empty} ran and printed nothing' if empty else '') +
           (f'; not run there, kept as they were: {idle}' if idle else '') +
-          (f'; NOT copied, they ended in an error: {failed}' if failed else ''))
-    return 1 if failed else 0
+          (f'; not in it (new or renamed since), kept as they were: {absent}' if absent else '') +
+          (f'; NOT copied, they ended in an error: {failed}' if failed else '') +
+          (f'; NOT copied, changed here since they ran (run them again on the GPU machine): {changed}' if changed else ''))
+    return 1 if failed or changed else 0
 
 
 def main(argv=None) -> int:
@@ -156,11 +168,12 @@ def main(argv=None) -> int:
     r.add_argument('--cells', nargs='+', metavar='ID', help='run only these flagged cells (cell ids); the unflagged ones all run')
     m = sub.add_parser('merge', help="copy the flagged cells' outputs from a returned notebook into the repository's")
     m.add_argument('returned', type=Path); m.add_argument('target', type=Path)
+    m.add_argument('--allow-cpu', action='store_true', help="take gpu cells' outputs from a run that found no CUDA device (tests)")
     for p in (r, m): p.add_argument('--flags', default='gpu', help='space-separated flags to run (default: gpu)')
     a = ap.parse_args(argv)
     flags = set(a.flags.split())
     if unknown := flags - tst_flags(): ap.error(f"--flags {' '.join(sorted(unknown))}: not in settings.ini's tst_flags {sorted(tst_flags())}")
-    return run(a.notebook, a.out, flags, a.cells) if a.cmd == 'run' else merge(a.returned, a.target, flags)
+    return run(a.notebook, a.out, flags, a.cells) if a.cmd == 'run' else merge(a.returned, a.target, flags, a.allow_cpu)
 
 
 if __name__ == '__main__': sys.exit(main())

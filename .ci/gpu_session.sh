@@ -8,10 +8,10 @@
 #   bash .ci/gpu_session.sh nb:09_books_char:7c21237b,7c21237c   # only these gpu cells (ids), beside the unflagged ones
 #
 # Each step's log and results go to $OUT: hardware.txt, pytest.log (pytest-cuda.log), bench-gpu.json + bench.log, NAME.ipynb + NAME.log,
-# and NAME-runs.tgz: the JSON results a notebook saved under nbs/runs/NAME (e.g. notebook 12's `run_experiment`: one per
-# finished run, and the last checkpoint of each run a time budget stopped, in RUN.ckpt/). Unpacked here (tar -xzf
-# NAME-runs.tgz, in the repository) and carried into the next lease, the results are loaded there, not run again, and
-# the stopped runs go on.
+# and NAME-runs.tgz for a notebook that saves its runs under nbs/runs/NAME (JSON results, and the last checkpoint of each
+# run a time budget stopped, in RUN.ckpt/; unpacked here with tar -xzf in the repository, carried into the next lease).
+# No notebook with gpu cells saves there today: notebooks 09, 11, 13 and 14 keep their runs under data/runs, on the
+# machine, so a run stopped at the time limit goes on only in a call made while the machine is still warm.
 # LIMIT_S=540 interrupts the step running 540 s after the command started (SIGINT, as Ctrl-C: the trainers checkpoint
 # and stop) and skips the rest, so that the command ends inside the machine's 10-minute limit with its files written;
 # run it again to go on.

@@ -30,7 +30,9 @@ def test_run_and_merge(tmp_path, monkeypatch):
     out = tmp_path / 'out' / 'a.ipynb'
     assert gc.main(['run', str(nb), '--out', str(out)]) == 0
     assert outputs(out) == ['', 'fast\n', '', '2\n', '']         # the slow and eval:false cells did not run
-    assert gc.main(['merge', str(out), str(nb)]) == 0
+    with pytest.raises(SystemExit, match='without CUDA'): gc.main(['merge', str(out), str(nb)])   # here: a CPU's outputs
+    assert outputs(nb) == ['', '', '', '', '']                    # refused whole, nothing copied
+    assert gc.main(['merge', str(out), str(nb), '--allow-cpu']) == 0
     assert outputs(nb) == ['', '', '', '2\n', '']                 # only the gpu cell's outputs came back
     assert gc.main(['run', str(nb), '--out', str(out), '--flags', 'slow']) == 0
     assert outputs(out) == ['', 'fast\n', 'slow\n', '2\n', '']   # other flags: the gpu cell is skipped, its old output kept
@@ -64,7 +66,7 @@ def test_error_stops_and_keeps_what_ran(tmp_path, monkeypatch):
     assert gc.main(['run', str(nb), '--out', str(out)]) == 1
     errors = [o for o in json.loads(out.read_text())['cells'][1]['outputs'] if o['output_type'] == 'error']
     assert outputs(out)[0] == 'first\n' and errors[0]['ename'] == 'ValueError' and outputs(out)[2] == ''
-    assert gc.main(['merge', str(out), str(nb)]) == 1            # an error is reported
+    assert gc.main(['merge', str(out), str(nb), '--allow-cpu']) == 1   # an error is reported
     assert outputs(nb) == ['first\n', '', '']                    # the cell that failed keeps its old (here: no) outputs
 
 
@@ -77,7 +79,7 @@ def test_merge_takes_only_cells_that_ran(tmp_path, monkeypatch):
     nb.write_text(json.dumps(committed))
     for cell in ('c0', 'c1'): assert gc.main(['run', str(nb), '--out', str(tmp_path / f'{cell}.ipynb'), '--cells', cell]) == 0
     assert outputs(tmp_path / 'c0.ipynb') == ['A new\n', 'B old\n']   # the other cell's old outputs travel back too
-    for cell in ('c0', 'c1'): assert gc.main(['merge', str(tmp_path / f'{cell}.ipynb'), str(nb)]) == 0
+    for cell in ('c0', 'c1'): assert gc.main(['merge', str(tmp_path / f'{cell}.ipynb'), str(nb), '--allow-cpu']) == 0
     assert outputs(nb) == ['A new\n', 'B new\n']
     assert all(gc.RAN not in c['metadata'] for c in json.loads(nb.read_text())['cells'])   # the mark stays out of the repository
 
@@ -100,10 +102,21 @@ def test_session_brings_back_a_notebooks_saved_results(tmp_path):
         assert sorted(t.getnames()) == ['nbs/runs/r/big/a-seed0.json', 'nbs/runs/r/big/b-seed0.ckpt/last.safetensors']
 
 
-def test_merge_refuses_a_changed_cell(tmp_path):
-    nb = notebook(tmp_path / 'c.ipynb', '#| gpu\nprint(1)')
-    ret = notebook(tmp_path / 'ret.ipynb', '#| gpu\nprint(2)')
-    with pytest.raises(SystemExit, match='changed since'): gc.main(['merge', str(ret), str(nb)])
+def test_merge_takes_each_cell_on_its_own(tmp_path, capsys):
+    "A cell edited here since it ran is not copied (its outputs are another code's); one that failed there and was fixed here, one edited that never ran, and one new since, keep what they had; the others' results still come back."
+    nb = notebook(tmp_path / 'c.ipynb', '#| gpu\nprint(1)', '#| gpu\nprint("ok")', '#| gpu\nprint("fixed")', '#| gpu\nprint("edited")', '#| gpu\nprint("new")')
+    got = json.loads(notebook(tmp_path / 'ret.ipynb', '#| gpu\nprint(2)', '#| gpu\nprint("ok")', '#| gpu\nprint("typo")',
+                              '#| gpu\nprint("before")').read_text())
+    for c, out in zip(got['cells'], ('2\n', 'ok\n', None, None)):
+        if out: c['outputs'], c['metadata'][gc.RAN] = [{'output_type': 'stream', 'name': 'stdout', 'text': out}], True
+    got['cells'][2]['metadata'][gc.RAN] = True
+    got['cells'][2]['outputs'] = [{'output_type': 'error', 'ename': 'NameError', 'evalue': 'typo', 'traceback': []}]
+    (tmp_path / 'ret.ipynb').write_text(json.dumps(got))
+    assert gc.main(['merge', str(tmp_path / 'ret.ipynb'), str(nb)]) == 1
+    assert outputs(nb) == ['', 'ok\n', '', '', '']
+    said = capsys.readouterr().out
+    assert "changed here since they ran (run them again on the GPU machine): ['c0']" in said and "error: ['c2']" in said
+    assert "not run there, kept as they were: ['c3']" in said and "new or renamed since), kept as they were: ['c4']" in said
 
 
 def test_standalone_problems():
