@@ -137,7 +137,10 @@ def merge(returned:Path, target:Path, flags:set, allow_cpu:bool=False) -> int:
     if 'gpu' in flags and got.get('metadata', {}).get(CPU) and not allow_cpu:
         raise SystemExit(f"{returned} ran its gpu cells on a machine without CUDA: its outputs are not the GPU's results, and "
                          "nothing was copied (pass --allow-cpu to take them anyway).")
-    by_id = {c.get('id'): c for c in got['cells']}
+    if any(flagged(c, flags) and not c.get('id') for c in nb['cells']):
+        raise SystemExit(f"{target}: a flagged cell has no id, and merge matches cells by id (nbformat 4.5): save the notebook with a "
+                         "current Jupyter (or nbdev_clean it), run it again on the GPU machine, then merge.")
+    by_id = {c.get('id'): c for c in got['cells'] if c.get('id')}
     n, empty, failed, idle, changed, absent = 0, [], [], [], [], []
     for c in nb['cells']:                                        # each cell on its own: one that cannot be taken stops no other
         if not flagged(c, flags): continue

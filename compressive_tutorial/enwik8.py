@@ -218,7 +218,9 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
     model = build_model('ct', cfg).to(dev)
     trainer = (Trainer.resume(ckpt, model, train_dl, valid_dl, tcfg, ckpt_dir=folder) if ckpt.exists()
                else Trainer(model, train_dl, valid_dl, tcfg, ckpt_dir=folder))
-    if writes: write_atomic(fspec, json.dumps(spec, indent=1))          # once the run is built (a failed first call leaves no claim)
+    if writes:                                                          # once the run is built (a failed first call leaves no claim)
+        if not ckpt.exists(): (folder/'sessions.jsonl').unlink(missing_ok=True)   # a fresh start: sessions of an attempt that saved nothing are not its own
+        write_atomic(fspec, json.dumps(spec, indent=1))
     start, t0 = trainer.step, time.perf_counter()
     row = dict(session=os.urandom(6).hex(), start_step=start, hardware=hardware(dev, tcfg.precision), date=time.strftime('%Y-%m-%d %H:%M'))
     if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats(dev)

@@ -119,6 +119,12 @@ def test_merge_takes_each_cell_on_its_own(tmp_path, capsys):
     assert "not run there, kept as they were: ['c3']" in said and "new or renamed since), kept as they were: ['c4']" in said
 
 
+def test_merge_needs_cell_ids(tmp_path):
+    nb = notebook(tmp_path / 'n.ipynb', '#| gpu\nprint(1)')
+    bare = json.loads(nb.read_text()); del bare['cells'][0]['id']; nb.write_text(json.dumps(bare))
+    with pytest.raises(SystemExit, match='has no id'): gc.main(['merge', str(nb), str(nb)])
+
+
 def test_standalone_problems():
     cells = lambda *ss: {'cells': [{'cell_type': 'code', 'source': s} for s in ss]}
     assert gc.standalone_problems(cells('a = 1', '#| slow\nb = 2', '#| gpu\nprint(a)')) == []
