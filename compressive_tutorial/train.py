@@ -442,7 +442,8 @@ class Trainer:
         if task_params: torch.autograd.backward(scaled(loss * (share / k), self.scaler), inputs=task_params, retain_graph=keep)   # DDP averages these
         rows = (getattr(model, 'aux_rows', None) if train_aux else 0)            # the streams this rank's aux loss averaged over
         aux_share = self._aux_share(1 if rows is None else rows) if self.copt is not None else 0.0   # DDP: every rank takes part
-        if train_aux and trainable(self.comp_params): torch.autograd.backward(scaled(aux * (aux_share / k), self.fc_scaler), inputs=trainable(self.comp_params))
+        comp_params = trainable(self.comp_params) if train_aux else []
+        if comp_params: torch.autograd.backward(scaled(aux * (aux_share / k), self.fc_scaler), inputs=comp_params)
         average_grads(self.comp_params, self.world, self.device)                 # outside DDP: averaged here
         layers = getattr(model, 'aux_losses', None)                              # per-layer values, for the history
         grad_norm, skipped = None, False
