@@ -20,11 +20,12 @@ from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer, held_memory
 from .losses import CompressionLoss
 from .train import DEVICES, hardware, make_adam, compile_layers, bf16_native
+from .attention import _ONEDNN_LINEAR, linear, set_cpu_gemm
 from .experiments import _sync
 from .analysis import warmup_windows
 
 # %% ../nbs/15_performance.ipynb #b1500009
-IMPLS = ('ours-ct', 'ours-txl', 'ours-ct-compiled', 'ours-ct-cudagraphs', 'ours-ct-cudagraphs-notrees', 'ours-ct-flex', 'ours-ct-noaux', 'lucidrains-ct', 'labml-ct')   # what `RUNNERS` (below) builds
+IMPLS = ('ours-ct', 'ours-txl', 'ours-ct-compiled', 'ours-ct-cudagraphs', 'ours-ct-cudagraphs-notrees', 'ours-ct-flex', 'ours-ct-noaux', 'ours-ct-blas', 'lucidrains-ct', 'labml-ct')   # what `RUNNERS` (below) builds
 
 @dataclass
 class BenchConfig:
@@ -139,12 +140,13 @@ class OursRunner(Runner):
     COMPILED = {True: ('-compiled', {}),                 # torch.compile's default mode
                 'reduce-overhead': ('-cudagraphs', {'mode': 'reduce-overhead'}),   # CUDA graphs in cudagraph trees (one shared pool)
                 'no-trees': ('-cudagraphs-notrees', {'options': {'triton.cudagraphs': True, 'triton.cudagraph_trees': False}})}   # a pool each
-    def __init__(self, cfg:BenchConfig, kind:str='ct', compiled:bool|str=False, aux:bool=True, name:str|None=None, **model_kw):
-        "compiled: False (eager) or a key of `COMPILED`: True (torch.compile's default mode), 'reduce-overhead' or 'no-trees' (CUDA graphs, on CUDA); name: for the tables (default: from kind, compiled and aux); model_kw: config fields, e.g. attn_impl"
+    def __init__(self, cfg:BenchConfig, kind:str='ct', compiled:bool|str=False, aux:bool=True, name:str|None=None, gemm:str|None=None, **model_kw):
+        "compiled: False (eager) or a key of `COMPILED`: True (torch.compile's default mode), 'reduce-overhead' or 'no-trees' (CUDA graphs, on CUDA); name: for the tables (default: from kind, compiled, aux and gemm); gemm: the CPU GEMM library of its steps (`set_cpu_gemm`; None: the process's choice); model_kw: config fields, e.g. attn_impl"
         if compiled and compiled not in self.COMPILED: raise ValueError(f"compiled={compiled!r} is unknown: use False or one of {list(self.COMPILED)}")
         suffix, compile_kw = self.COMPILED[compiled] if compiled else ('', {})
         self.cfg, self.kind, self.graphs = cfg, kind, suffix.startswith('-cudagraphs')
-        self.name = name or f'ours-{kind}' + suffix + ('' if aux else '-noaux')
+        self.name = name or f'ours-{kind}' + suffix + ('' if aux else '-noaux') + (f'-{gemm}' if gemm else '')
+        self.gemm = gemm
         m = CompressiveTransformer(cfg.ct(**model_kw)) if kind == 'ct' else TransformerXL(cfg.txl(**model_kw))
         self.model = m.to(cfg.device)
         if not aux:                                         # a measurement, not a configuration: the same model and f_c,
@@ -157,8 +159,11 @@ class OursRunner(Runner):
                          ('attention-reconstruction loss (Algorithm 2) into f_c only' if aux else 'NO reconstruction loss')
                          if kind == 'ct' else
                          f'relative attention (a)+(b)+(c)+(d) over a memory of {held_memory(cfg.n_m, cfg.n_cm, cfg.c) + cfg.n_cm} (same span as the CT)')
+        if gemm: self.computes += f"; linear layers through {'oneDNN' if gemm == 'onednn' else 'PyTorch default BLAS (MKL on x86)'}"
         self.reset()
     def reset(self): self.state = None
+    def step(self, phase, x, y):
+        with set_cpu_gemm(self.gemm) if self.gemm else contextlib.nullcontext(): super().step(phase, x, y)
     def train_step(self, x, y):
         if self.graphs: torch.compiler.cudagraph_mark_step_begin()   # a new window: the graphs' last outputs may be overwritten
         self.model.train()
@@ -267,6 +272,7 @@ RUNNERS = {'ours-ct': lambda cfg: OursRunner(cfg, 'ct'), 'ours-txl': lambda cfg:
            'ours-ct-cudagraphs-notrees': lambda cfg: OursRunner(cfg, 'ct', compiled='no-trees'),  # the same, each graph with memory of its own
            'ours-ct-flex': lambda cfg: OursRunner(cfg, 'ct', compiled=True, attn_impl='flex', name='ours-ct-flex'),  # compiled, (b)+(d) inside FlexAttention
            'ours-ct-noaux': lambda cfg: OursRunner(cfg, 'ct', aux=False),   # what Algorithm 2 costs: the CT without it
+           'ours-ct-blas': lambda cfg: OursRunner(cfg, 'ct', gemm='blas'),  # what oneDNN's linear layers buy on the CPU (notebook 01)
            'lucidrains-ct': LucidrainsRunner, 'labml-ct': LabmlRunner}
 
 def make_runners(cfg:BenchConfig) -> tuple: # ({name: Runner}, {name: why it was skipped})
@@ -304,14 +310,18 @@ def native_dtype(cfg:BenchConfig) -> BenchConfig:
 def mm_flops(device:str='cpu', # where
              dtype:str='float32', # the benchmark's precision
              n:int|None=None, # size of the square matmul (None: 2048 on CPU, 8192 on CUDA)
-             seconds:float=0.5 # how long to repeat it
+             seconds:float=0.5, # how long to repeat it
+             gemm:str='blas' # on the CPU: 'blas' (`torch.mm`: MKL on x86) or 'onednn' (the same product through `linear`'s oneDNN kernel)
             ) -> float: # FLOP/s of a large torch.mm
-    "Throughput of a large square `torch.mm` now: the yardstick for 'FLOP/s achieved' on a machine whose speed drifts."
+    "Throughput of a large square `torch.mm` now (or of the same product through oneDNN): the yardstick for 'FLOP/s achieved' on a machine whose speed drifts."
+    if gemm not in ('blas', 'onednn'): raise ValueError(f"mm_flops(gemm={gemm!r}): use 'blas' or 'onednn'")
     n = n or (8192 if device.startswith('cuda') else 2048)
     a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype)); b = torch.randn_like(a)
-    a @ b; _sync(device)
-    t, r = time.perf_counter(), 0
-    while time.perf_counter() - t < seconds: a @ b; r += 1; _sync(device) if r % 4 == 0 else None
+    mm = (lambda: linear(a, b)) if gemm == 'onednn' else (lambda: a @ b)    # x W^T: the same FLOPs as a @ b
+    with set_cpu_gemm(gemm) if gemm == 'onednn' else contextlib.nullcontext():
+        mm(); _sync(device)
+        t, r = time.perf_counter(), 0
+        while time.perf_counter() - t < seconds: mm(); r += 1; _sync(device) if r % 4 == 0 else None
     _sync(device)
     return 2 * n ** 3 * r / (time.perf_counter() - t)
 
@@ -332,6 +342,8 @@ def counted_flops(runner:Runner, cfg:BenchConfig, x:Tensor, y:Tensor) -> tuple:
         g = lambda *a, **k: f(*a, **k); g._get_raw = True; return g
     extra = {aten._scaled_dot_product_flash_attention_for_cpu: raw(sdpa_flop),
              aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(sdpa_backward_flop), aten.baddbmm_: raw(baddbmm_flop)}
+    if _ONEDNN_LINEAR is not None:                        # `linear`'s oneDNN product, x (N, d_in) W^T: 2 N d_in d_out
+        extra[torch.ops.mkldnn._linear_pointwise] = raw(lambda x, w, *a, **k: 2 * x.numel() // x.shape[-1] * w.numel())
     out = []
     for train in (False, True):                           # inference first: a training step would make the kept K/V stale
         with _autocast(cfg), torch.compiler.set_stance('force_eager'), _flex_as_sdpa(runner.model):   # eager, so that the counter
@@ -376,7 +388,8 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
     batches = [torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s + 1), generator=g).to(dev) for _ in range(cfg.steps + 1)]
     xy = lambda i: (batches[i % len(batches)][:, :-1], batches[i % len(batches)][:, 1:])
     res = {n: dict(train=[], infer=[], computes=r.computes, params=sum(p.numel() for p in r.model.parameters())) for n, r in runners.items()}
-    mm = []
+    mm, mm_onednn = [], []
+    probe_onednn = not dev.startswith('cuda') and cfg.dtype == 'float32' and _ONEDNN_LINEAR is not None
     names = list(runners)
     def drop(n, phase, when, e):                           # one implementation that cannot run here must not cost the others' run
         before = (f"; its training, measured before: median {statistics.median(res[n]['train']):,.0f} tok/s"
@@ -390,6 +403,7 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
         for rep in range(cfg.reps):
             if not names: raise RuntimeError(f"no implementation is left to time (the {phase} phase): {skipped}")
             mm.append(mm_flops(dev, cfg.dtype, seconds=0.3))
+            if probe_onednn: mm_onednn.append(mm_flops(dev, cfg.dtype, seconds=0.3, gemm='onednn'))
             for n in names[rep % len(names):] + names[:rep % len(names)]:    # rotate the order every repetition
                 r = runners[n]
                 try: res[n][phase].append(cfg.steps * cfg.batch_size * cfg.n_s / _time(lambda i: r.window(phase, *xy(i), cfg), cfg.steps, dev))
@@ -405,7 +419,7 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
         for n in runners: measure(n, 'peak_mib', 'peak_error', lambda: cpu_peak_mib(n, cfg))
     for n in runners:
         for phase in ('train', 'infer'): res[n][phase + '_tps'] = statistics.median(res[n][phase])
-    return dict(config=asdict(cfg), results=res, skipped=skipped, mm_flops=mm, hardware=hardware(dev),
+    return dict(config=asdict(cfg), results=res, skipped=skipped, mm_flops=mm, mm_flops_onednn=mm_onednn, hardware=hardware(dev),
                 torch=torch.__version__, date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), device_peak=device_peak_flops(cfg),
                 flops_formula={f'{k}-{ph}': ct_flops_per_token(cfg, ph == 'train', k) for k in ('ct', 'txl') for ph in ('train', 'infer')})
 
@@ -459,12 +473,15 @@ def report(r:dict # what `run_benchmark` returned
     "The benchmark as text: hardware, config, tokens/s and ratios to the reference, FLOPs and memory."
     cfg, res, asked = r['config'], r['results'], r['config']['reference']
     ref = asked if asked in res or not res else next(iter(res))          # the reference did not run: the first that did
-    mm = statistics.median(r['mm_flops'])
+    mm, one = statistics.median(r['mm_flops']), r.get('mm_flops_onednn') or []   # (runs saved before oneDNN have no second probe)
+    best = max(mm, statistics.median(one)) if one else mm                   # the '% of mm' column: of the faster of the two
     lines = [f"{r['date']} | {r['hardware']}",
              'config: ' + ', '.join(f"{k}={cfg[k]}" for k in ('n_layers', 'd_model', 'n_heads', 'd_ff', 'n_s', 'n_m', 'n_cm', 'c',
                                                                'batch_size', 'dtype', 'device', 'threads', 'steps', 'reps')),
              f"large torch.mm: median {mm / 1e9:,.1f} GFLOP/s (min {min(r['mm_flops']) / 1e9:,.1f}, max {max(r['mm_flops']) / 1e9:,.1f}) "
-             f"over {len(r['mm_flops'])} timings interleaved with the runs", '']
+             f"over {len(r['mm_flops'])} timings interleaved with the runs" +
+             (f"; the same product through oneDNN: median {statistics.median(one) / 1e9:,.1f} GFLOP/s (min {min(one) / 1e9:,.1f}, max {max(one) / 1e9:,.1f})"
+              if one else ''), '']
     if ref != asked:
         lines += [f"note: the reference {asked} {'was skipped' if asked in r['skipped'] else 'was not among the implementations run'}; "
                   f"the ratios are to {ref}, the first that ran (choose with reference=NAME)", '']
@@ -479,11 +496,12 @@ def report(r:dict # what `run_benchmark` returned
         if v['flops_counted'] is None: flops = f"{'-':>18}{'-':>14}{'-':>8}"          # the count failed (said below)
         else:
             ft, fi = v['flops_counted']
-            flops = f"{ft / 1e6:>8,.1f}/{fi / 1e6:<9,.1f}{ft * v['train_tps'] / 1e9:>14,.1f}{100 * ft * v['train_tps'] / mm:>7.0f}%"
+            flops = f"{ft / 1e6:>8,.1f}/{fi / 1e6:<9,.1f}{ft * v['train_tps'] / 1e9:>14,.1f}{100 * ft * v['train_tps'] / best:>7.0f}%"
         lines.append(f"{n:<19}{v['train_tps']:>12,.0f}{ratio('train'):>15}{v['infer_tps']:>13,.0f}{ratio('infer'):>15}"
                      f"{flops}{(f'{pk[0]:,.0f}/{pk[1]:,.0f}' if pk else '-'):>17}")
     lines += ['', '(MFLOP/tok: matmul FLOPs counted by torch.utils.flop_counter in one window, per token; tok/s: median over the '
-              'repetitions; x: median of the per-repetition ratios, robust to a slow spell that hits one repetition)']
+              'repetitions; x: median of the per-repetition ratios, robust to a slow spell that hits one repetition; % of mm: of the faster large '
+              'matmul above)']
     if has_ref and len(res) > 1:                          # how far the repetitions disagree: the noise behind each ratio
         span = lambda n, ph: f"{min(ratios(n, ph)):.2f}-{max(ratios(n, ph)):.2f}"
         lines.append(f"per-repetition ratios to {ref}, min-max: " +
@@ -518,7 +536,9 @@ def run_spread(runs:list, # what `run_benchmark` returned, several times, with `
         rs = [ratio(r, ph) for r in runs]
         lines.append(f"{ph}: {impl} / {reference}, run by run: {', '.join(f'{v:.2f}x' for v in rs)}; median {statistics.median(rs):.2f}x")
     mm = ', '.join(f"{statistics.median(r['mm_flops']) / 1e9:.0f}" for r in runs)
-    return '\n'.join(lines + [f"{len(runs)} runs from {runs[0]['date']} to {runs[-1]['date']}; large torch.mm, median of each run: {mm} GFLOP/s"])
+    one = (', through oneDNN: ' + ', '.join(f"{statistics.median(r['mm_flops_onednn']) / 1e9:.0f}" for r in runs)
+           if all(r.get('mm_flops_onednn') for r in runs) else '')
+    return '\n'.join(lines + [f"{len(runs)} runs from {runs[0]['date']} to {runs[-1]['date']}; large torch.mm, median of each run: {mm}{one} GFLOP/s"])
 
 # %% ../nbs/15_performance.ipynb #b1500025
 def profile_table(cfg:BenchConfig, # sizes and device

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from .data import check_int
-from .attention import has_hooks, weights_key
+from .attention import has_hooks, linear, weights_key
 
 # %% ../nbs/03_compression.ipynb #236d2512
 def check_divisible(n:int, # number of memories to compress (the window n_s, in the model)
@@ -115,9 +115,9 @@ class ConvCompressor(Compressor):
         B, n, d = old.shape
         if has_hooks(self.conv): return self.conv(old.transpose(1, 2)).transpose(1, 2)   # hooked (weight_norm, a probe): the module itself
         if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):   # evaluation: the memories as stored, the weight rearranged once
-            return F.linear(old.reshape(B, n // self.c, self.c * d), self.tap_major_weight(), self.conv.bias)   # (B, n/c, d)
+            return linear(old.reshape(B, n // self.c, self.c * d), self.tap_major_weight(), self.conv.bias)   # (B, n/c, d)
         blocks = old.unflatten(1, (n // self.c, self.c)).transpose(2, 3).flatten(2)   # (B, n/c, d*c): entry i*c + r is feature i of memory jc + r
-        return F.linear(blocks, self.conv.weight.reshape(d, d * self.c), self.conv.bias)   # one GEMM with the weight as stored: (B, n/c, d)
+        return linear(blocks, self.conv.weight.reshape(d, d * self.c), self.conv.bias)   # one GEMM with the weight as stored: (B, n/c, d)
 
     def tap_major_weight(self) -> Tensor:
         "The weight as `(d, c*d)` with tap r of input i at r*d + i, the order of c memories stored one after another; kept while the weight is unchanged (no gradient)."

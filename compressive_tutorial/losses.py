@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from .data import check_int
-from .attention import _func_transforms_active
+from .attention import _func_transforms_active, linear
 from .compress import COMPRESSORS, Compressor
 
 # %% ../nbs/04_compression_losses.ipynb #a07aa553
@@ -94,8 +94,8 @@ def projected_reconstruction_loss(q:Tensor, # (B, H, n_s, d_h) the layer's queri
     _check_attention_module(attn, new_cm.shape[-1])
     q, k_old, v_old = q.detach(), k_old.detach(), v_old.detach()          # 1. stop gradient into the transformer
     heads = lambda x: x.view(B, -1, H, dh).transpose(1, 2)               # (B, n, d) -> (B, H, n, d_h)
-    k_c = heads(F.linear(new_cm, attn.k.weight.detach())).to(q.dtype)   # 2. frozen weights, gradient into new_cm only
-    v_c = heads(F.linear(new_cm, attn.v.weight.detach())).to(q.dtype)   # (B, H, n_old/c, d_h)
+    k_c = heads(linear(new_cm, attn.k.weight.detach())).to(q.dtype)   # 2. frozen weights, gradient into new_cm only
+    v_c = heads(linear(new_cm, attn.v.weight.detach())).to(q.dtype)   # (B, H, n_old/c, d_h)
     s = 1 / math.sqrt(dh) if scale else 1.0
     if q.device.type != 'cpu':                                           # GPU: the fused kernel
         with torch.no_grad(): target = F.scaled_dot_product_attention(q, k_old, v_old, scale=s)   # (B, H, n_s, d_h), no graph

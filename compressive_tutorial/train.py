@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch import Tensor
 from tqdm import tqdm
 from .data import word_perplexity
+from .attention import cpu_gemm
 from .data import check_int
 from .checkpoint import (   # built and tested in the appendix (notebook 90)
     flatten_tree, unflatten_tree, rng_state, set_rng_state, previous_checkpoint, save_checkpoint, load_checkpoint,
@@ -789,7 +790,7 @@ class Trainer:
 def hardware(device=None, # where the run happens (None: CPU)
              precision:str|None='auto', # the run's TrainConfig.precision, stated as `choose_precision` resolves it (None: not stated)
             ) -> str:
-    "One line that says where a run happens: the GPU (and its compute capability) or the CPU, the precision, the DDP processes, torch."
+    "One line that says where a run happens: the GPU (and its compute capability) or the CPU (and the library its float32 linear layers multiply with: `cpu_gemm`), the precision, the DDP processes, torch."
     device = torch.device(device or 'cpu')
     if device.type == 'cuda':
         major, minor = torch.cuda.get_device_capability(device)
@@ -800,7 +801,8 @@ def hardware(device=None, # where the run happens (None: CPU)
             for line in Path('/proc/cpuinfo').read_text().splitlines():
                 if line.startswith('model name'): cpu = line.split(':', 1)[1].strip(); break
         except OSError: pass
-        where = f'CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s)'
+        gemm = 'oneDNN' if cpu_gemm() == 'onednn' else 'MKL' if torch.backends.mkl.is_available() else 'BLAS'
+        where = f'CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), {gemm} linear layers'
     parts = [where] + ([PRECISION_NOTES[choose_precision(device, precision)]] if precision is not None else [])
     world = dist_rank_world()[1]
     if world > 1: parts.append(f'DDP over {world} processes')

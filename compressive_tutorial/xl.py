@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from .data import check_int
-from .attention import RelativeMultiHeadAttention, AttnResult, ATTN_IMPLS, weights_key, hooks_key, has_hooks, _uid, _func_transforms_active
+from .attention import Linear, RelativeMultiHeadAttention, AttnResult, ATTN_IMPLS, weights_key, hooks_key, has_hooks, _uid, _func_transforms_active
 
 # %% ../nbs/02_transformer_xl.ipynb #12ed011e
 @dataclass
@@ -142,7 +142,7 @@ def mask_memory(memory:Memory, # (B, M, d) stored states of one layer
 class FeedForward(nn.Sequential):
     r"The position-wise MLP $W_2\,\mathrm{Dropout}(\mathrm{ReLU}(W_1 x + b_1)) + b_2$ over the last dim, with the ReLU in place."
     def __init__(self, d:int, d_ff:int, dropout:float=0.):
-        super().__init__(nn.Linear(d, d_ff), nn.ReLU(inplace=True), nn.Dropout(dropout), nn.Linear(d_ff, d))   # (names 0..3, as before)
+        super().__init__(Linear(d, d_ff), nn.ReLU(inplace=True), nn.Dropout(dropout), Linear(d_ff, d))   # (names 0..3, as before)
 
     def forward(self, x:Tensor) -> Tensor: # (..., d) -> (..., d)
         "On x as one (N, d) matrix: then W_1 x is a tensor of its own, which the ReLU may overwrite (a view of one would cost autograd two copies)."
@@ -252,7 +252,7 @@ class TransformerXL(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList([XLLayer(cfg) for _ in range(cfg.n_layers)])
         self.ln_f = nn.LayerNorm(d) if cfg.pre_ln else nn.Identity()
-        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.head = Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_weights: self.head.weight = self.emb.weight
         self.kv_cache = True        # without gradients, keep each memory's keys/values in the state instead of re-projecting
         self.kv_cache_dtype = None  # dtype to store them in (None: as projected); the hook for lower-precision caches
