@@ -155,12 +155,14 @@ class set_cpu_gemm:
     def __enter__(self): return self
     def __exit__(self, *exc): _gemm_choice[0] = self.prev
 
-def _use_onednn(x:Tensor, w:Tensor) -> bool:
-    "Whether `linear(x, w)` goes through oneDNN: a large enough float32 product on the CPU, outside autocast, torch.compile, torch.func and tensor subclasses."
-    return (x.device.type == 'cpu' and x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() >= 2 and w.dim() == 2
+def _use_onednn(x:Tensor, w:Tensor, b:Tensor|None=None) -> bool:
+    "Whether `linear(x, w, b)` goes through oneDNN: a large enough float32 product on the CPU, of shapes that fit (F.linear says what does not), outside autocast, torch.compile, torch.func and tensor subclasses."
+    ts = (x, w) if b is None else (x, w, b)
+    return (all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in ts) and x.dim() >= 2 and w.dim() == 2
+            and x.shape[-1] == w.shape[1] and (b is None or tuple(b.shape) == (w.shape[0],))
             and x.numel() // max(x.shape[-1], 1) * w.numel() >= ONEDNN_MIN_MACS and not torch.compiler.is_compiling()
             and torch.backends.mkldnn.enabled and not torch.is_autocast_enabled('cpu') and not _func_transforms_active()
-            and not torch.overrides.has_torch_function((x, w)) and cpu_gemm() == 'onednn')
+            and not torch.overrides.has_torch_function(ts) and cpu_gemm() == 'onednn')
 
 class _OneDNNLinear(torch.autograd.Function):
     "y = x W^T + b through oneDNN (x: (N, d_in) rows), and its backward through the same kernel: dx = g W, dW = g^T x, db = the rows of g summed."
@@ -181,7 +183,7 @@ def linear(x:Tensor, # (..., d_in)
            bias:Tensor|None=None # (d_out,)
           ) -> Tensor: # (..., d_out)
     "`F.linear(x, weight, bias)`, through oneDNN where `cpu_gemm()` chooses it and the product is large enough: the same numbers up to float rounding."
-    if not _use_onednn(x, weight): return F.linear(x, weight, bias)
+    if not _use_onednn(x, weight, bias): return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])                                           # (N, d_in)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     y = _OneDNNLinear.apply(x2, weight, bias) if grad else _ONEDNN_LINEAR(x2, weight, bias, 'none', [], '')
