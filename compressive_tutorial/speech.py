@@ -26,6 +26,7 @@ from torch import Tensor
 from tqdm import tqdm
 from .data import SPLITS, Corpus, StreamLoader, check_int, data_cache_dir, find_shared_data, download_file, sha256_file
 from .xl import TransformerXL, lm_loss
+from .attention import Linear
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, compression_parameters, evaluate, hardware, sample, seed_everything
 from .checkpoint import load_weights, write_atomic
@@ -452,9 +453,9 @@ class GatedResidualLayer(nn.Module):
         super().__init__()
         self.kernel_size, self.dilation = kernel_size, dilation
         self.context = (kernel_size - 1) * dilation                         # past inputs this layer reads
-        self.conv = nn.Linear(kernel_size * d_res, 2 * d_res)               # W_f and W_g over all k taps
-        self.res = nn.Linear(d_res, d_res)                                  # W_r (a 1x1 convolution is a linear map)
-        self.skip = nn.Linear(d_res, d_skip)                                # W_s
+        self.conv = Linear(kernel_size * d_res, 2 * d_res)                  # W_f and W_g over all k taps
+        self.res = Linear(d_res, d_res)                                     # W_r (a 1x1 convolution is a linear map)
+        self.skip = Linear(d_res, d_skip)                                   # W_s
 
     def forward(self,
                 x:Tensor, # (B, T, d_res) this window's input to the layer
@@ -474,7 +475,7 @@ class WaveNet(nn.Module):
         self.cfg = cfg
         self.emb = nn.Embedding(cfg.vocab_size, cfg.d_res)                  # one-hot input x 1x1 convolution
         self.layers = nn.ModuleList([GatedResidualLayer(cfg.d_res, cfg.d_skip, cfg.kernel_size, d) for d in cfg.dilations])
-        self.head = nn.Sequential(nn.ReLU(), nn.Linear(cfg.d_skip, cfg.d_out), nn.ReLU(), nn.Linear(cfg.d_out, cfg.vocab_size))
+        self.head = nn.Sequential(nn.ReLU(), Linear(cfg.d_skip, cfg.d_out), nn.ReLU(), Linear(cfg.d_out, cfg.vocab_size))
 
     def init_state(self, batch_size:int, device=None) -> WaveNetState:
         "The start of a stream: zero buffers (what zero padding would give)."
