@@ -20,7 +20,7 @@ from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer, held_memory
 from .losses import CompressionLoss
 from .train import DEVICES, hardware, make_adam, compile_layers, bf16_native
-from .attention import _ONEDNN_LINEAR, linear, set_cpu_gemm
+from .attention import _ONEDNN_LINEAR, CPU_GEMMS, linear, set_cpu_gemm
 from .experiments import _sync
 from .analysis import warmup_windows
 
@@ -145,6 +145,7 @@ class OursRunner(Runner):
         if compiled and compiled not in self.COMPILED: raise ValueError(f"compiled={compiled!r} is unknown: use False or one of {list(self.COMPILED)}")
         suffix, compile_kw = self.COMPILED[compiled] if compiled else ('', {})
         self.cfg, self.kind, self.graphs = cfg, kind, suffix.startswith('-cudagraphs')
+        if gemm is not None and gemm not in CPU_GEMMS: raise ValueError(f"OursRunner(gemm={gemm!r}): use one of {CPU_GEMMS}, or None for the process's choice")
         self.name = name or f'ours-{kind}' + suffix + ('' if aux else '-noaux') + (f'-{gemm}' if gemm else '')
         self.gemm = gemm
         m = CompressiveTransformer(cfg.ct(**model_kw)) if kind == 'ct' else TransformerXL(cfg.txl(**model_kw))
@@ -383,6 +384,7 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
     "Train, then infer, every implementation in turn for `reps` interleaved repetitions, in this one process."
     if cfg.threads: torch.set_num_threads(cfg.threads)
     dev = cfg.device
+    hw = hardware(dev)                                     # first: a bad CT_CPU_GEMM fails here, not after the timings
     runners, skipped = make_runners(cfg)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s + 1), generator=g).to(dev) for _ in range(cfg.steps + 1)]
@@ -419,7 +421,7 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
         for n in runners: measure(n, 'peak_mib', 'peak_error', lambda: cpu_peak_mib(n, cfg))
     for n in runners:
         for phase in ('train', 'infer'): res[n][phase + '_tps'] = statistics.median(res[n][phase])
-    return dict(config=asdict(cfg), results=res, skipped=skipped, mm_flops=mm, mm_flops_onednn=mm_onednn, hardware=hardware(dev),
+    return dict(config=asdict(cfg), results=res, skipped=skipped, mm_flops=mm, mm_flops_onednn=mm_onednn, hardware=hw,
                 torch=torch.__version__, date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), device_peak=device_peak_flops(cfg),
                 flops_formula={f'{k}-{ph}': ct_flops_per_token(cfg, ph == 'train', k) for k in ('ct', 'txl') for ph in ('train', 'infer')})
 
