@@ -171,11 +171,13 @@ class _OneDNNLinear(torch.autograd.Function):
         ctx.save_for_backward(x, w); ctx.has_bias = b is not None
         return _ONEDNN_LINEAR(x, w, b, 'none', [], '')                        # (N, d_out)
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g):                                                     # g: (N, d_out)
         x, w = ctx.saved_tensors
-        dx = _ONEDNN_LINEAR(g, w.t(), None, 'none', [], '') if ctx.needs_input_grad[0] else None   # (N, d_out) @ (d_out, d_in)
-        dw = _ONEDNN_LINEAR(g.t(), x.t(), None, 'none', [], '') if ctx.needs_input_grad[1] else None   # (d_out, N) @ (N, d_in)
+        if torch.is_grad_enabled():                                           # create_graph (a gradient penalty, a Hessian-vector
+            mm = lambda a, b: a @ b                                           # product): products autograd can differentiate again
+        else: mm = lambda a, b: _ONEDNN_LINEAR(a, b.t(), None, 'none', [], '')   # a @ b, through oneDNN
+        dx = mm(g, w) if ctx.needs_input_grad[0] else None                   # (N, d_out) @ (d_out, d_in)
+        dw = mm(g.t(), x) if ctx.needs_input_grad[1] else None               # (d_out, N) @ (N, d_in)
         return dx, dw, g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
 
 def linear(x:Tensor, # (..., d_in)

@@ -683,6 +683,7 @@ class Trainer:
         tensors = {f'model.{k}': v for k, v in self.model.state_dict().items()}
         meta = dict(step=self.step, n_updates=self.n_updates, n_skipped=self.n_skipped, train_s=self.train_s, epoch=self.epoch, window=self.window,
                     model=model_meta(self.model), cfg=asdict(self.cfg), precision=self.precision, world=self.world,
+                    gemm=cpu_gemm() if self.device.type == 'cpu' else None,   # the CPU's GEMM library (notebook 01): rounding differs
                     history=self.history, acc=self._acc, skeleton={})
         if self.scaler is not None: meta['scaler'] = self.scaler.state_dict()   # fp16: the loss scale and its growth counter
         if self.fc_scaler is not self.scaler: meta['fc_scaler'] = self.fc_scaler.state_dict()   # and f_c's own
@@ -771,6 +772,11 @@ class Trainer:
         if saved != self.precision:
             warnings.warn(f"{path or 'the checkpoint'} was trained in {saved} and resumes in {self.precision} ({self.device}): "
                           "the run goes on, but not bit for bit as it would have; set TrainConfig.precision to keep it")
+        saved = meta.get('gemm', 'blas')                                         # (a checkpoint from before the choice: PyTorch's BLAS)
+        if self.device.type == 'cpu' and saved is not None and saved != cpu_gemm():
+            warnings.warn(f"{path or 'the checkpoint'} multiplied its linear layers with {saved} and resumes with {cpu_gemm()} on this CPU: "
+                          f"the run goes on, with other float rounding, not bit for bit as it would have; set_cpu_gemm({saved!r}) "
+                          f"(or CT_CPU_GEMM={saved}) keeps it")
         set_rng_state(tensors, meta['rng'], self.device)
         self.checkpoint = None if path is None else (Path(path), self.step)
         return self
