@@ -121,7 +121,7 @@ def attend_explicit(q:Tensor, # (B, H, T, d_h) queries
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, '_linear_pointwise', None) if torch.backends.mkldnn.is_available() else None
 CPU_GEMMS = ('auto', 'onednn', 'blas')
 ONEDNN_MIN_MACS = 1 << 21      # smaller products stay with F.linear: oneDNN's call costs more than its kernel saves
-_gemm_choice = [os.environ.get('CT_CPU_GEMM', 'auto')]
+_gemm_choice = [os.environ.get('CT_CPU_GEMM') or 'auto']     # (checked where it is used, and by Trainer when built)
 
 def cpu_vendor() -> str:
     "The CPU maker's id as the CPU reports it ('GenuineIntel', 'AuthenticAMD', ...); '' where it cannot be read."
@@ -156,13 +156,15 @@ class set_cpu_gemm:
     def __exit__(self, *exc): _gemm_choice[0] = self.prev
 
 def _use_onednn(x:Tensor, w:Tensor, b:Tensor|None=None) -> bool:
-    "Whether `linear(x, w, b)` goes through oneDNN: a large enough float32 product on the CPU, of shapes that fit (F.linear says what does not), outside autocast, torch.compile, torch.func and tensor subclasses."
+    "Whether `linear(x, w, b)` goes through oneDNN: a large enough float32 product on the CPU, of shapes that fit (F.linear says what does not), of plain tensors and parameters, outside autocast, torch.compile, torch.func and forward-mode AD."
     ts = (x, w) if b is None else (x, w, b)
-    return (all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in ts) and x.dim() >= 2 and w.dim() == 2
-            and x.shape[-1] == w.shape[1] and (b is None or tuple(b.shape) == (w.shape[0],))
+    return (all(type(t) in (Tensor, nn.Parameter) and t.device.type == 'cpu' and t.dtype == torch.float32 for t in ts)
+            and x.dim() >= 2 and w.dim() == 2 and x.shape[-1] == w.shape[1]
+            and (b is None or tuple(b.shape) == (w.shape[0],) and b.is_contiguous())   # (oneDNN reads a bias as contiguous)
             and x.numel() // max(x.shape[-1], 1) * w.numel() >= ONEDNN_MIN_MACS and not torch.compiler.is_compiling()
             and torch.backends.mkldnn.enabled and not torch.is_autocast_enabled('cpu') and not _func_transforms_active()
-            and not torch.overrides.has_torch_function(ts) and cpu_gemm() == 'onednn')
+            and torch.autograd.forward_ad._current_level < 0 and not torch.overrides.has_torch_function(ts)   # no dual tensors
+            and cpu_gemm() == 'onednn')
 
 class _OneDNNLinear(torch.autograd.Function):
     "y = x W^T + b through oneDNN (x: (N, d_in) rows), and its backward through the same kernel: dx = g W, dW = g^T x, db = the rows of g summed."
@@ -189,7 +191,7 @@ def linear(x:Tensor, # (..., d_in)
     x2 = x.reshape(-1, x.shape[-1])                                           # (N, d_in)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     y = _OneDNNLinear.apply(x2, weight, bias) if grad else _ONEDNN_LINEAR(x2, weight, bias, 'none', [], '')
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])     # a 2-D input gets a tensor of its own (not a view)
+    return y if x.dim() == 2 else torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))   # not a view: as F.linear's
 
 class Linear(nn.Linear):
     "`nn.Linear` whose product is `linear`: the same parameters, state dict and hooks, the CPU's faster GEMM library."

@@ -365,6 +365,7 @@ class Trainer:
         self.ckpt_dir = None if ckpt_dir is None else Path(ckpt_dir)
         self.device = next(model.parameters()).device
         self.precision = choose_precision(self.device, self.cfg.precision)    # 'bf16', 'fp16' or 'fp32'
+        cpu_gemm()                                                           # a misspelt CT_CPU_GEMM stops here, before any step
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == 'fp16' else None   # fp16: loss scaling
         self.comp_params = compression_parameters(model)                     # the compression network, if any
         ids = {id(p) for p in self.comp_params}
