@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['CPU_GEMMS', 'ONEDNN_MIN_MACS', 'ATTN_IMPLS', 'causal_mask', 'attention_mask', 'plot_mask', 'masked_attention',
-           'attend_explicit', 'cpu_vendor', 'onednn_by_default', 'cpu_gemm', 'set_cpu_gemm', 'linear', 'Linear',
-           'AttnResult', 'MultiHeadAttention', 'sinusoid_embedding', 'relative_distances', 'rel_shift', 'shift_masked',
-           'attend_biased', 'shift_masked_', 'rel_score_mod', 'flex_reference', 'attend_flex', 'hooks_key', 'has_hooks',
-           'weights_key', 'reversed_sinusoid', 'RelativeMultiHeadAttention']
+           'attend_explicit', 'cpu_vendor', 'onednn_by_default', 'cpu_gemm', 'set_cpu_gemm', 'large_products', 'linear',
+           'Linear', 'AttnResult', 'MultiHeadAttention', 'sinusoid_embedding', 'relative_distances', 'rel_shift',
+           'shift_masked', 'attend_biased', 'shift_masked_', 'rel_score_mod', 'flex_reference', 'attend_flex',
+           'hooks_key', 'has_hooks', 'weights_key', 'reversed_sinusoid', 'RelativeMultiHeadAttention']
 
 # %% ../nbs/01_attention.ipynb #bf498ed4
 import functools, itertools, math, os, platform, weakref
@@ -144,7 +144,7 @@ def cpu_gemm() -> str:
     choice = _gemm_choice[0]
     if choice not in CPU_GEMMS:
         raise ValueError(f"the CPU GEMM choice {choice!r} (CT_CPU_GEMM or set_cpu_gemm) is unknown: use one of {CPU_GEMMS}")
-    if _ONEDNN_LINEAR is None: return 'blas'                                  # a torch built without oneDNN
+    if _ONEDNN_LINEAR is None or not torch.backends.mkldnn.enabled: return 'blas'   # a torch without oneDNN, or switched off
     return 'onednn' if choice == 'onednn' or choice == 'auto' and _onednn_here() else 'blas'
 
 class set_cpu_gemm:
@@ -155,16 +155,25 @@ class set_cpu_gemm:
     def __enter__(self): return self
     def __exit__(self, *exc): _gemm_choice[0] = self.prev
 
-def _use_onednn(x:Tensor, w:Tensor, b:Tensor|None=None) -> bool:
-    "Whether `linear(x, w, b)` goes through oneDNN: a large enough float32 product on the CPU, of shapes that fit (F.linear says what does not), of plain tensors and parameters, outside autocast, torch.compile, torch.func and forward-mode AD."
+def _onednn_fits(x:Tensor, w:Tensor, b:Tensor|None=None) -> bool:
+    "Whether oneDNN can take `linear(x, w, b)`, if chosen: a large enough float32 product on the CPU, of shapes that fit (F.linear says what does not), of plain tensors and parameters, outside autocast, torch.compile, torch.func and forward-mode AD."
     ts = (x, w) if b is None else (x, w, b)
     return (all(type(t) in (Tensor, nn.Parameter) and t.device.type == 'cpu' and t.dtype == torch.float32 for t in ts)
             and x.dim() >= 2 and w.dim() == 2 and x.shape[-1] == w.shape[1]
             and (b is None or tuple(b.shape) == (w.shape[0],) and b.is_contiguous())   # (oneDNN reads a bias as contiguous)
             and x.numel() // max(x.shape[-1], 1) * w.numel() >= ONEDNN_MIN_MACS and not torch.compiler.is_compiling()
-            and torch.backends.mkldnn.enabled and not torch.is_autocast_enabled('cpu') and not _func_transforms_active()
-            and torch.autograd.forward_ad._current_level < 0 and not torch.overrides.has_torch_function(ts)   # no dual tensors
-            and cpu_gemm() == 'onednn')
+            and not torch.is_autocast_enabled('cpu') and not _func_transforms_active()
+            and torch.autograd.forward_ad._current_level < 0 and not torch.overrides.has_torch_function(ts))   # no dual tensors
+
+def _use_onednn(x:Tensor, w:Tensor, b:Tensor|None=None) -> bool:
+    "Whether `linear(x, w, b)` goes through oneDNN: it fits, and `cpu_gemm()` chooses oneDNN."
+    return _onednn_fits(x, w, b) and cpu_gemm() == 'onednn'
+
+_large_products = [0]
+
+def large_products() -> int:
+    "How many products `linear` has made in this process that were large enough for the GEMM choice to matter, whichever library made them (where none was, either choice gives the same numbers)."
+    return _large_products[0]
 
 class _OneDNNLinear(torch.autograd.Function):
     "y = x W^T + b through oneDNN (x: (N, d_in) rows), and its backward through the same kernel: dx = g W, dW = g^T x, db = the rows of g summed."
@@ -187,7 +196,9 @@ def linear(x:Tensor, # (..., d_in)
            bias:Tensor|None=None # (d_out,)
           ) -> Tensor: # (..., d_out)
     "`F.linear(x, weight, bias)`, through oneDNN where `cpu_gemm()` chooses it and the product is large enough: the same numbers up to float rounding."
-    if not _use_onednn(x, weight, bias): return F.linear(x, weight, bias)
+    fits = _onednn_fits(x, weight, bias)
+    _large_products[0] += fits
+    if not (fits and cpu_gemm() == 'onednn'): return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])                                           # (N, d_in)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     y = _OneDNNLinear.apply(x2, weight, bias) if grad else _ONEDNN_LINEAR(x2, weight, bias, 'none', [], '')

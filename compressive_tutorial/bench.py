@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['IMPLS', 'BENCH_CPU', 'BENCH_GPU', 'RUNNERS', 'BenchConfig', 'ct_flops_per_token', 'Runner', 'OursRunner', 'CannotRun',
-           'LucidrainsRunner', 'LabmlRunner', 'make_runners', 'make_runner', 'native_dtype', 'mm_flops',
-           'counted_flops', 'device_peak_flops', 'run_benchmark', 'cuda_peak_mib', 'cpu_peak_mib', 'report',
+           'LucidrainsRunner', 'LabmlRunner', 'make_runners', 'make_runner', 'native_dtype', 'onednn_usable',
+           'mm_flops', 'counted_flops', 'device_peak_flops', 'run_benchmark', 'cuda_peak_mib', 'cpu_peak_mib', 'report',
            'run_spread', 'profile_table']
 
 # %% ../nbs/15_performance.ipynb #b1500004
@@ -20,7 +20,7 @@ from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer, held_memory
 from .losses import CompressionLoss
 from .train import DEVICES, hardware, make_adam, compile_layers, bf16_native
-from .attention import _ONEDNN_LINEAR, CPU_GEMMS, linear, set_cpu_gemm
+from .attention import _ONEDNN_LINEAR, cpu_gemm, linear, set_cpu_gemm
 from .experiments import _sync
 from .analysis import warmup_windows
 
@@ -145,7 +145,7 @@ class OursRunner(Runner):
         if compiled and compiled not in self.COMPILED: raise ValueError(f"compiled={compiled!r} is unknown: use False or one of {list(self.COMPILED)}")
         suffix, compile_kw = self.COMPILED[compiled] if compiled else ('', {})
         self.cfg, self.kind, self.graphs = cfg, kind, suffix.startswith('-cudagraphs')
-        if gemm is not None and gemm not in CPU_GEMMS: raise ValueError(f"OursRunner(gemm={gemm!r}): use one of {CPU_GEMMS}, or None for the process's choice")
+        if gemm not in (None, 'onednn', 'blas'): raise ValueError(f"OursRunner(gemm={gemm!r}): use 'onednn' or 'blas', or None for the process's choice")
         self.name = name or f'ours-{kind}' + suffix + ('' if aux else '-noaux') + (f'-{gemm}' if gemm else '')
         self.gemm = gemm
         m = CompressiveTransformer(cfg.ct(**model_kw)) if kind == 'ct' else TransformerXL(cfg.txl(**model_kw))
@@ -308,6 +308,10 @@ def native_dtype(cfg:BenchConfig) -> BenchConfig:
     if cfg.dtype == 'bfloat16' and cfg.device.startswith('cuda') and not bf16_native(cfg.device): return replace(cfg, dtype='float16')
     return cfg
 
+def onednn_usable() -> bool:
+    "Whether `linear` can multiply through oneDNN in this process (built into torch and switched on)."
+    with set_cpu_gemm('onednn'): return cpu_gemm() == 'onednn'
+
 def mm_flops(device:str='cpu', # where
              dtype:str='float32', # the benchmark's precision
              n:int|None=None, # size of the square matmul (None: 2048 on CPU, 8192 on CUDA)
@@ -316,6 +320,7 @@ def mm_flops(device:str='cpu', # where
             ) -> float: # FLOP/s of a large torch.mm
     "Throughput of a large square `torch.mm` now (or of the same product through oneDNN): the yardstick for 'FLOP/s achieved' on a machine whose speed drifts."
     if gemm not in ('blas', 'onednn'): raise ValueError(f"mm_flops(gemm={gemm!r}): use 'blas' or 'onednn'")
+    if gemm == 'onednn' and not onednn_usable(): raise ValueError("mm_flops(gemm='onednn'): oneDNN is not usable here (not built into torch, or torch.backends.mkldnn switched off)")
     n = n or (8192 if device.startswith('cuda') else 2048)
     a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype)); b = torch.randn_like(a)
     mm = (lambda: linear(a, b)) if gemm == 'onednn' else (lambda: a @ b)    # x W^T: the same FLOPs as a @ b
@@ -391,7 +396,7 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
     xy = lambda i: (batches[i % len(batches)][:, :-1], batches[i % len(batches)][:, 1:])
     res = {n: dict(train=[], infer=[], computes=r.computes, params=sum(p.numel() for p in r.model.parameters())) for n, r in runners.items()}
     mm, mm_onednn = [], []
-    probe_onednn = not dev.startswith('cuda') and cfg.dtype == 'float32' and _ONEDNN_LINEAR is not None
+    probe_onednn = not dev.startswith('cuda') and cfg.dtype == 'float32' and onednn_usable()
     names = list(runners)
     def drop(n, phase, when, e):                           # one implementation that cannot run here must not cost the others' run
         before = (f"; its training, measured before: median {statistics.median(res[n]['train']):,.0f} tok/s"

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch import Tensor
 from tqdm import tqdm
 from .data import word_perplexity
-from .attention import cpu_gemm
+from .attention import cpu_gemm, large_products
 from .data import check_int
 from .checkpoint import (   # built and tested in the appendix (notebook 90)
     flatten_tree, unflatten_tree, rng_state, set_rng_state, previous_checkpoint, save_checkpoint, load_checkpoint,
@@ -366,6 +366,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.precision = choose_precision(self.device, self.cfg.precision)    # 'bf16', 'fp16' or 'fp32'
         cpu_gemm()                                                           # a misspelt CT_CPU_GEMM stops here, before any step
+        self._products0, self._gemm = large_products(), None                 # (the GEMM library a checkpoint records: `state_dict`)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == 'fp16' else None   # fp16: loss scaling
         self.comp_params = compression_parameters(model)                     # the compression network, if any
         ids = {id(p) for p in self.comp_params}
@@ -679,12 +680,17 @@ class Trainer:
         return evaluate(self.model, loader, mem_len=mem_len, n_words=n_words, max_batches=max_batches, precision=self.precision,
                         shard=self.world > 1, **forward_kwargs)
 
+    def _gemm_used(self) -> str|None:
+        "The CPU GEMM library this run's linear layers multiplied with (notebook 01), if any product was large enough for the choice to matter: another one rounds differently."
+        if self.device.type == 'cpu' and large_products() > self._products0: self._gemm = cpu_gemm()
+        return self._gemm                                                    # (or what the checkpoint it resumed recorded)
+
     def state_dict(self) -> tuple: # ({name: tensor}, JSON-able meta)
         "Everything the rest of the run depends on: weights, optimisers, gradients, memories (of all ranks), positions, RNGs, loss scale."
         tensors = {f'model.{k}': v for k, v in self.model.state_dict().items()}
         meta = dict(step=self.step, n_updates=self.n_updates, n_skipped=self.n_skipped, train_s=self.train_s, epoch=self.epoch, window=self.window,
                     model=model_meta(self.model), cfg=asdict(self.cfg), precision=self.precision, world=self.world,
-                    gemm=cpu_gemm() if self.device.type == 'cpu' else None,   # the CPU's GEMM library (notebook 01): rounding differs
+                    gemm=self._gemm_used(),
                     history=self.history, acc=self._acc, skeleton={})
         if self.scaler is not None: meta['scaler'] = self.scaler.state_dict()   # fp16: the loss scale and its growth counter
         if self.fc_scaler is not self.scaler: meta['fc_scaler'] = self.fc_scaler.state_dict()   # and f_c's own
@@ -773,8 +779,8 @@ class Trainer:
         if saved != self.precision:
             warnings.warn(f"{path or 'the checkpoint'} was trained in {saved} and resumes in {self.precision} ({self.device}): "
                           "the run goes on, but not bit for bit as it would have; set TrainConfig.precision to keep it")
-        saved = meta.get('gemm', 'blas')                                         # (a checkpoint from before the choice: PyTorch's BLAS)
-        if self.device.type == 'cpu' and saved is not None and saved != cpu_gemm():
+        saved = self._gemm = meta.get('gemm')                                    # (None: no product where the library mattered, or
+        if self.device.type == 'cpu' and saved is not None and saved != cpu_gemm():   # a checkpoint from before it was recorded)
             warnings.warn(f"{path or 'the checkpoint'} multiplied its linear layers with {saved} and resumes with {cpu_gemm()} on this CPU: "
                           f"the run goes on, with other float rounding, not bit for bit as it would have; set_cpu_gemm({saved!r}) "
                           f"(or CT_CPU_GEMM={saved}) keeps it")
