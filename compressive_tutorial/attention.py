@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['CPU_GEMMS', 'ONEDNN_MIN_MACS', 'ATTN_IMPLS', 'causal_mask', 'attention_mask', 'plot_mask', 'masked_attention',
-           'attend_explicit', 'cpu_vendor', 'onednn_by_default', 'cpu_gemm', 'set_cpu_gemm', 'large_products', 'linear',
+           'attend_explicit', 'cpu_vendor', 'onednn_by_default', 'cpu_gemm', 'set_cpu_gemm', 'gemm_counts', 'linear',
            'Linear', 'AttnResult', 'MultiHeadAttention', 'sinusoid_embedding', 'relative_distances', 'rel_shift',
            'shift_masked', 'attend_biased', 'shift_masked_', 'rel_score_mod', 'flex_reference', 'attend_flex',
            'hooks_key', 'has_hooks', 'weights_key', 'reversed_sinusoid', 'RelativeMultiHeadAttention']
@@ -169,11 +169,11 @@ def _use_onednn(x:Tensor, w:Tensor, b:Tensor|None=None) -> bool:
     "Whether `linear(x, w, b)` goes through oneDNN: it fits, and `cpu_gemm()` chooses oneDNN."
     return _onednn_fits(x, w, b) and cpu_gemm() == 'onednn'
 
-_large_products = [0]
+_gemm_counts = {'onednn': 0, 'blas': 0}
 
-def large_products() -> int:
-    "How many products `linear` has made in this process that were large enough for the GEMM choice to matter, whichever library made them (where none was, either choice gives the same numbers)."
-    return _large_products[0]
+def gemm_counts() -> dict:
+    "How many products `linear` has made in this process through each library, of those large enough for the choice to matter (smaller ones are F.linear's under either choice, and are not counted)."
+    return dict(_gemm_counts)
 
 class _OneDNNLinear(torch.autograd.Function):
     "y = x W^T + b through oneDNN (x: (N, d_in) rows), and its backward through the same kernel: dx = g W, dW = g^T x, db = the rows of g summed."
@@ -196,9 +196,9 @@ def linear(x:Tensor, # (..., d_in)
            bias:Tensor|None=None # (d_out,)
           ) -> Tensor: # (..., d_out)
     "`F.linear(x, weight, bias)`, through oneDNN where `cpu_gemm()` chooses it and the product is large enough: the same numbers up to float rounding."
-    fits = _onednn_fits(x, weight, bias)
-    _large_products[0] += fits
-    if not (fits and cpu_gemm() == 'onednn'): return F.linear(x, weight, bias)
+    if not _onednn_fits(x, weight, bias): return F.linear(x, weight, bias)   # (inside torch.compile too: it reads no counter)
+    gemm = cpu_gemm(); _gemm_counts[gemm] += 1
+    if gemm == 'blas': return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])                                           # (N, d_in)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     y = _OneDNNLinear.apply(x2, weight, bias) if grad else _ONEDNN_LINEAR(x2, weight, bias, 'none', [], '')

@@ -146,6 +146,7 @@ class OursRunner(Runner):
         suffix, compile_kw = self.COMPILED[compiled] if compiled else ('', {})
         self.cfg, self.kind, self.graphs = cfg, kind, suffix.startswith('-cudagraphs')
         if gemm not in (None, 'onednn', 'blas'): raise ValueError(f"OursRunner(gemm={gemm!r}): use 'onednn' or 'blas', or None for the process's choice")
+        if gemm == 'onednn' and not onednn_usable(): raise ValueError("OursRunner(gemm='onednn'): oneDNN is not usable here (not built into torch, or torch.backends.mkldnn switched off)")
         self.name = name or f'ours-{kind}' + suffix + ('' if aux else '-noaux') + (f'-{gemm}' if gemm else '')
         self.gemm = gemm
         m = CompressiveTransformer(cfg.ct(**model_kw)) if kind == 'ct' else TransformerXL(cfg.txl(**model_kw))

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch import Tensor
 from tqdm import tqdm
 from .data import word_perplexity
-from .attention import cpu_gemm, large_products
+from .attention import cpu_gemm, gemm_counts
 from .data import check_int
 from .checkpoint import (   # built and tested in the appendix (notebook 90)
     flatten_tree, unflatten_tree, rng_state, set_rng_state, previous_checkpoint, save_checkpoint, load_checkpoint,
@@ -366,7 +366,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.precision = choose_precision(self.device, self.cfg.precision)    # 'bf16', 'fp16' or 'fp32'
         cpu_gemm()                                                           # a misspelt CT_CPU_GEMM stops here, before any step
-        self._products0, self._gemm = large_products(), None                 # (the GEMM library a checkpoint records: `state_dict`)
+        self._gemm = None                                                    # the CPU GEMM library of the run's steps (`train_step`)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == 'fp16' else None   # fp16: loss scaling
         self.comp_params = compression_parameters(model)                     # the compression network, if any
         ids = {id(p) for p in self.comp_params}
@@ -426,6 +426,7 @@ class Trainer:
         n = int((batch.y != -100).sum())                                         # its targets, counted before the copy to the device
         x, y, reset = self._to_device(batch)                                     # (B/world, T), (B/world, T), (B/world,)
         self._batch_size = x.shape[0]
+        gemms = gemm_counts()                                                    # which CPU GEMM library this step's products take
         k, update = accumulation_at(self.step, cfg)
         model.train()
         with autocast_for(self.device, self.precision):
@@ -471,6 +472,7 @@ class Trainer:
         streams = getattr(model, 'aux_rows', None)                               # what the aux loss averaged over (None: say 1)
         out = dict(loss=host[0], aux=host[1], aux_layers=None if layers is None else host[2:], aux_streams=1 if streams is None else streams,
                    tokens=n, read=read, grad_norm=grad_norm, skipped=int(skipped))
+        self._gemm = next((g for g, c in gemm_counts().items() if c > gemms[g]), self._gemm)   # (notebook 01: they round differently)
         return self._reduce(out) if self.world > 1 else out
 
     def _to_device(self, batch) -> tuple:
@@ -680,17 +682,12 @@ class Trainer:
         return evaluate(self.model, loader, mem_len=mem_len, n_words=n_words, max_batches=max_batches, precision=self.precision,
                         shard=self.world > 1, **forward_kwargs)
 
-    def _gemm_used(self) -> str|None:
-        "The CPU GEMM library this run's linear layers multiplied with (notebook 01), if any product was large enough for the choice to matter: another one rounds differently."
-        if self.device.type == 'cpu' and large_products() > self._products0: self._gemm = cpu_gemm()
-        return self._gemm                                                    # (or what the checkpoint it resumed recorded)
-
     def state_dict(self) -> tuple: # ({name: tensor}, JSON-able meta)
         "Everything the rest of the run depends on: weights, optimisers, gradients, memories (of all ranks), positions, RNGs, loss scale."
         tensors = {f'model.{k}': v for k, v in self.model.state_dict().items()}
         meta = dict(step=self.step, n_updates=self.n_updates, n_skipped=self.n_skipped, train_s=self.train_s, epoch=self.epoch, window=self.window,
                     model=model_meta(self.model), cfg=asdict(self.cfg), precision=self.precision, world=self.world,
-                    gemm=self._gemm_used(),
+                    gemm=self._gemm,                                            # (None: no step's products needed one)
                     history=self.history, acc=self._acc, skeleton={})
         if self.scaler is not None: meta['scaler'] = self.scaler.state_dict()   # fp16: the loss scale and its growth counter
         if self.fc_scaler is not self.scaler: meta['fc_scaler'] = self.fc_scaler.state_dict()   # and f_c's own
