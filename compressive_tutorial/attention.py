@@ -157,17 +157,14 @@ class set_cpu_gemm:
 
 def _onednn_fits(x:Tensor, w:Tensor, b:Tensor|None=None) -> bool:
     "Whether oneDNN can take `linear(x, w, b)`, if chosen: a large enough float32 product on the CPU, of shapes that fit (F.linear says what does not), of plain tensors and parameters, outside autocast, torch.compile, torch.func and forward-mode AD."
+    if torch.compiler.is_compiling(): return False                           # first: a compiled caller reads nothing of this choice
     ts = (x, w) if b is None else (x, w, b)
     return (all(type(t) in (Tensor, nn.Parameter) and t.device.type == 'cpu' and t.dtype == torch.float32 for t in ts)
             and x.dim() >= 2 and w.dim() == 2 and x.shape[-1] == w.shape[1]
             and (b is None or tuple(b.shape) == (w.shape[0],) and b.is_contiguous())   # (oneDNN reads a bias as contiguous)
-            and x.numel() // max(x.shape[-1], 1) * w.numel() >= ONEDNN_MIN_MACS and not torch.compiler.is_compiling()
+            and x.numel() // max(x.shape[-1], 1) * w.numel() >= ONEDNN_MIN_MACS
             and not torch.is_autocast_enabled('cpu') and not _func_transforms_active()
             and torch.autograd.forward_ad._current_level < 0 and not torch.overrides.has_torch_function(ts))   # no dual tensors
-
-def _use_onednn(x:Tensor, w:Tensor, b:Tensor|None=None) -> bool:
-    "Whether `linear(x, w, b)` goes through oneDNN: it fits, and `cpu_gemm()` chooses oneDNN."
-    return _onednn_fits(x, w, b) and cpu_gemm() == 'onednn'
 
 _gemm_counts = {'onednn': 0, 'blas': 0}
 
