@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['CPU_GEMMS', 'ONEDNN_MIN_MACS', 'ATTN_IMPLS', 'causal_mask', 'attention_mask', 'plot_mask', 'masked_attention',
-           'attend_explicit', 'cpu_vendor', 'onednn_by_default', 'cpu_gemm', 'set_cpu_gemm', 'gemm_counts', 'linear',
-           'Linear', 'AttnResult', 'MultiHeadAttention', 'sinusoid_embedding', 'relative_distances', 'rel_shift',
-           'shift_masked', 'attend_biased', 'shift_masked_', 'rel_score_mod', 'flex_reference', 'attend_flex',
-           'hooks_key', 'has_hooks', 'weights_key', 'reversed_sinusoid', 'RelativeMultiHeadAttention']
+           'attend_explicit', 'cpu_info', 'cpu_vendor', 'onednn_by_default', 'cpu_gemm', 'set_cpu_gemm', 'gemm_counts',
+           'linear', 'Linear', 'AttnResult', 'MultiHeadAttention', 'sinusoid_embedding', 'relative_distances',
+           'rel_shift', 'shift_masked', 'attend_biased', 'shift_masked_', 'rel_score_mod', 'flex_reference',
+           'attend_flex', 'hooks_key', 'has_hooks', 'weights_key', 'reversed_sinusoid', 'RelativeMultiHeadAttention']
 
 # %% ../nbs/01_attention.ipynb #bf498ed4
 import functools, itertools, math, os, platform, weakref
@@ -123,13 +123,18 @@ CPU_GEMMS = ('auto', 'onednn', 'blas')
 ONEDNN_MIN_MACS = 1 << 21      # smaller products stay with F.linear: oneDNN's call costs more than its kernel saves
 _gemm_choice = [os.environ.get('CT_CPU_GEMM') or 'auto']     # (checked where it is used, and by Trainer when built)
 
-def cpu_vendor() -> str:
-    "The CPU maker's id as the CPU reports it ('GenuineIntel', 'AuthenticAMD', ...); '' where it cannot be read."
+def cpu_info(field:str # a field of Linux's /proc/cpuinfo: 'vendor_id', 'model name', ...
+            ) -> str: # its value for the first CPU; '' where there is no such file or field
+    "What Linux says of this machine's CPU."
     try:
         for line in Path('/proc/cpuinfo').read_text().splitlines():
-            if line.startswith('vendor_id'): return line.split(':', 1)[1].strip()
+            if line.split(':', 1)[0].strip() == field: return line.split(':', 1)[1].strip()
     except OSError: pass
-    return next((v for v in ('GenuineIntel', 'AuthenticAMD') if v in platform.processor()), '')   # Windows names it there
+    return ''
+
+def cpu_vendor() -> str:
+    "The CPU maker's id as the CPU reports it ('GenuineIntel', 'AuthenticAMD', ...); '' where it cannot be read."
+    return cpu_info('vendor_id') or next((v for v in ('GenuineIntel', 'AuthenticAMD') if v in platform.processor()), '')   # Windows: there
 
 def onednn_by_default(machine:str, # the architecture, as `platform.machine()` says it
                       vendor:str # the CPU's maker, as `cpu_vendor()` says it

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch import Tensor
 from tqdm import tqdm
 from .data import word_perplexity
-from .attention import cpu_gemm, gemm_counts
+from .attention import cpu_gemm, cpu_info, gemm_counts
 from .data import check_int
 from .checkpoint import (   # built and tested in the appendix (notebook 90)
     flatten_tree, unflatten_tree, rng_state, set_rng_state, previous_checkpoint, save_checkpoint, load_checkpoint,
@@ -806,11 +806,7 @@ def hardware(device=None, # where the run happens (None: CPU)
         major, minor = torch.cuda.get_device_capability(device)
         where = f'{torch.cuda.get_device_name(device)} (CUDA, compute capability {major}.{minor})'
     else:
-        cpu = platform.processor() or platform.machine()
-        try:
-            for line in Path('/proc/cpuinfo').read_text().splitlines():
-                if line.startswith('model name'): cpu = line.split(':', 1)[1].strip(); break
-        except OSError: pass
+        cpu = cpu_info('model name') or platform.processor() or platform.machine()
         gemm = 'oneDNN' if cpu_gemm() == 'onednn' else 'MKL' if torch.backends.mkl.is_available() else 'BLAS'
         where = f'CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), {gemm} linear layers'
     parts = [where] + ([PRECISION_NOTES[choose_precision(device, precision)]] if precision is not None else [])
