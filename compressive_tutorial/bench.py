@@ -20,7 +20,7 @@ from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer, held_memory
 from .losses import CompressionLoss
 from .train import DEVICES, hardware, make_adam, compile_layers, bf16_native
-from .attention import _ONEDNN_LINEAR, cpu_gemm, linear, set_cpu_gemm
+from .attention import cpu_gemm, linear, set_cpu_gemm
 from .experiments import _sync
 from .analysis import warmup_windows
 
@@ -349,8 +349,6 @@ def counted_flops(runner:Runner, cfg:BenchConfig, x:Tensor, y:Tensor) -> tuple:
         g = lambda *a, **k: f(*a, **k); g._get_raw = True; return g
     extra = {aten._scaled_dot_product_flash_attention_for_cpu: raw(sdpa_flop),
              aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(sdpa_backward_flop), aten.baddbmm_: raw(baddbmm_flop)}
-    if _ONEDNN_LINEAR is not None:                        # `linear`'s oneDNN product, x (N, d_in) W^T: 2 N d_in d_out
-        extra[torch.ops.mkldnn._linear_pointwise] = raw(lambda x, w, *a, **k: 2 * x.numel() // x.shape[-1] * w.numel())
     out = []
     for train in (False, True):                           # inference first: a training step would make the kept K/V stale
         with _autocast(cfg), torch.compiler.set_stance('force_eager'), _flex_as_sdpa(runner.model):   # eager, so that the counter
