@@ -173,6 +173,8 @@ def _onednn_fits(x:Tensor, w:Tensor, b:Tensor|None=None) -> bool:
 
 _gemm_counts = torch.zeros(2, dtype=torch.long)   # products through oneDNN, BLAS: a tensor, which a compiled graph updates as eager
                                                   # code does, and whose value (unlike a Python number's) it is not compiled for
+_GEMM_STEPS = {'onednn': torch.tensor([1, 0]), 'blas': torch.tensor([0, 1])}   # one whole-tensor add a product: a chain of indexed
+                                                  # increments (`counts[i] += 1`) took inductor 5 s to compile at 4 products, 234 s at 8
 
 def gemm_counts() -> dict:
     "How many products `linear` has made in this process through each library, of those large enough for the choice to matter (smaller ones are F.linear's under either choice, and are not counted), compiled or not."
@@ -215,7 +217,7 @@ def linear(x:Tensor, # (..., d_in)
     "`F.linear(x, weight, bias)`, through oneDNN where `cpu_gemm()` chooses it and the product is large enough: the same numbers up to float rounding."
     if not _onednn_fits(x, weight, bias): return F.linear(x, weight, bias)
     gemm = cpu_gemm()
-    _gemm_counts[0 if gemm == 'onednn' else 1] += 1
+    _gemm_counts.add_(_GEMM_STEPS[gemm])
     if gemm == 'blas': return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])                                           # (N, d_in)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
