@@ -171,10 +171,12 @@ def _onednn_fits(x:Tensor, w:Tensor, b:Tensor|None=None) -> bool:
             and not torch.is_autocast_enabled('cpu') and not _func_transforms_active()
             and torch.autograd.forward_ad._current_level < 0 and not torch.overrides.has_torch_function(ts))   # no dual tensors
 
-_gemm_counts = torch.zeros(2, dtype=torch.long)   # products through oneDNN, BLAS: a tensor, which a compiled graph updates as eager
-                                                  # code does, and whose value (unlike a Python number's) it is not compiled for
-_GEMM_STEPS = {'onednn': torch.tensor([1, 0]), 'blas': torch.tensor([0, 1])}   # one whole-tensor add a product: a chain of indexed
-                                                  # increments (`counts[i] += 1`) took inductor 17 s to compile at 6 products, 234 s at 8
+with torch.inference_mode(False):                 # plain CPU tensors, whatever mode or default device the import runs under
+    _gemm_counts = torch.zeros(2, dtype=torch.long, device='cpu')   # products through oneDNN, BLAS: a tensor, which a compiled graph
+                                                  # updates as eager code does, and whose value (unlike a Python number's) it is not compiled for
+    _GEMM_STEPS = {g: torch.tensor(s, device='cpu') for g, s in (('onednn', [1, 0]), ('blas', [0, 1]))}   # one whole-tensor add a
+                                                  # product: a chain of indexed increments (`counts[i] += 1`) took inductor 17 s to
+                                                  # compile at 6 products, 234 s at 8
 
 def gemm_counts() -> dict:
     "How many products `linear` has made in this process through each library, of those large enough for the choice to matter (smaller ones are F.linear's under either choice, and are not counted), compiled or not."
