@@ -17,7 +17,6 @@ from .data import ENWIK8_URL, Batch, StreamLoader, check_int, data_cache_dir, fi
 from .checkpoint import IMPL_FIELDS, write_atomic
 from .model import CTConfig, build_model, windows_per_call
 from .train import TrainConfig, Trainer, all_sum, dist_rank_world, evaluate, hardware, seed_everything
-from .attention import set_cpu_gemm
 from .analysis import eval_across_memory_sizes, plot_memory_sweep, warmup_windows
 from .cli import n_params, paper_schedule
 from .experiments import _data_key
@@ -119,9 +118,8 @@ def _one_step(cfg:CTConfig, batch_size:int) -> tuple:
         s = x.untyped_storage()
         if s.data_ptr() not in params: saved[s.data_ptr()] = s.nbytes()     # each storage once
         return x
-    with FlopCounterMode(display=False) as fc, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), set_cpu_gemm('blas'):
-        # (the linear layers as F.linear, as on a GPU: the counter has rules for its products, not for oneDNN's: notebook 01)
-        trainer.train_step(b)
+    with FlopCounterMode(display=False) as fc, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        trainer.train_step(b)                                                    # (oneDNN's products too: notebook 01 registers their FLOPs)
     return fc.get_total_flops(), sum(saved.values())
 
 def _linear_fit(f:dict) -> dict:
