@@ -20,7 +20,7 @@ from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer, held_memory
 from .losses import CompressionLoss
 from .train import DEVICES, hardware, make_adam, compile_layers, bf16_native
-from .attention import cpu_gemm, linear, set_cpu_gemm
+from .attention import cpu_gemm, linear, pos_columns, set_cpu_gemm
 from .experiments import _sync
 from .analysis import warmup_windows
 
@@ -104,8 +104,8 @@ def ct_flops_per_token(cfg:BenchConfig, # the sizes
     conv = 2 * d * d if ct else 0                         # f_c: (c d -> d) per c evicted memories, one window per window
     new_cm = 4 * d * d / c if ct else 0                   # k, v of the n_s / c new compressed slots
     if not training:                                      # K/V cache: memory slots are never projected again; Q = W_R R is
-        view = 2 * d if cfg.device == 'cpu' else 0        # kept between windows (the weights do not change); on the CPU,
-        return cfg.n_layers * (dense + attn + view + conv + new_cm) + 2 * d * V   # (b)+(d) over K+1 distances (shift_masked_)
+        view = 2 * d * (pos_columns(K + 1) - K) if cfg.device == 'cpu' else 0   # kept between windows (the weights do not change); on
+        return cfg.n_layers * (dense + attn + view + conv + new_cm) + 2 * d * V   # the CPU, (b)+(d) over K+1 distances padded to P columns (shift_masked_)
     mem_kv = 4 * d * d * M / s                            # the memories' k, v, projected again each window (weights change)
     aux = (4 * s * d + 2 * new_cm + (4 + 6) * s / c * d) if ct else 0   # target read-out (no grad); new slots' k, v (fwd + input
                                                           # grad: frozen weights); their read-out: fwd, and a bwd of 1.5 x fwd (no query grad)
