@@ -77,8 +77,8 @@ def test_fused_kernel_takes_the_in_place_shift(dtype, T, M):
         torch.testing.assert_close(out, ref, rtol=1e-5 if dtype is torch.float32 else 1e-2, atol=1e-5 if dtype is torch.float32 else 1e-2)
 
 
-def _ct(pre_ln=False):
-    cfg = CTConfig(vocab_size=64, d_model=64, n_heads=4, d_ff=128, n_s=16, n_m=16, n_cm=16, c=4, pre_ln=pre_ln)
+def _ct(pre_ln=False, n_m=16):
+    cfg = CTConfig(vocab_size=64, d_model=64, n_heads=4, d_ff=128, n_s=16, n_m=n_m, n_cm=16, c=4, pre_ln=pre_ln)
     return randomized(CompressiveTransformer(cfg), std=0.1).to(DEV).eval()
 
 
@@ -98,8 +98,9 @@ def test_cached_inference_equals_uncached(pre_ln):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 
-def test_reused_projections_equal_recomputed():
-    model = _ct().train()
+@pytest.mark.parametrize('n_m', [8, 16, 24])   # memories shorter than, as long as and longer than a window
+def test_reused_projections_equal_recomputed(n_m):
+    model = _ct(n_m=n_m).train()
     slow = [[] for _ in model.layers]
     tokens = torch.randint(0, 64, (2, 64), device=DEV)
     with torch.no_grad(): _, _, state = model(tokens[:, :32])
