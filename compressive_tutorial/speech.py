@@ -709,7 +709,7 @@ def generate(model:nn.Module, # a trained model of the package's interface
     dev = next(model.parameters()).device
     g = torch.Generator(dev).manual_seed(seed)
     silence = mu_law_encode(torch.zeros(1))                                  # (1,) the code of 0.0
-    codes = sample(model, silence.to(dev), round(seconds * sample_rate), temperature=temperature, generator=g, window=1)
+    codes = sample(model, silence.to(dev), round(seconds * sample_rate), temperature=temperature, generator=g)
     return mu_law_decode(codes.cpu()).numpy()
 
 # %% ../nbs/11_speech.ipynb #66ff029c

@@ -864,11 +864,6 @@ def sample_next(logits:Tensor, # (B, V) next-token logits
                          "so the probabilities are not finite; use a larger temperature, or 0 for greedy") from None
 
 # %% ../nbs/06_training.ipynb #4d3f0719
-def _model_window(model) -> int:
-    n_s = getattr(getattr(model, 'cfg', None), 'n_s', None) or getattr(model, 'n_s', None)
-    if not isinstance(n_s, int): raise ValueError("sample: cannot read the model's window length (model.cfg.n_s); pass window=")
-    return n_s
-
 @torch.no_grad()
 def sample(model:nn.Module, # a model of the package's interface
            prompt_ids:Tensor, # (T,) or (B, T) token ids to continue, T >= 1
@@ -877,13 +872,10 @@ def sample(model:nn.Module, # a model of the package's interface
            top_k:int|None=None, # keep the k most likely tokens
            top_p:float|None=None, # nucleus: keep the smallest set with mass >= p (the paper's App. E: 0.98)
            generator:torch.Generator|None=None, # a seeded generator reproduces a sample (on the CPU for a GPU model: drawn there)
-           window:int|None=None, # tokens per committed window (None: the model's n_s)
            precision:str='auto' # as the model was trained: 'auto' (`choose_precision`), 'bf16', 'fp16' or 'fp32'
           ) -> Tensor: # (n,) or (B, n) the generated ids
-    "Continue a prompt with memory: prime window by window, then generate token by token."
-    window = check_int(window, 'sample: window', none="the model's n_s")
+    "Continue a prompt with memory: the prompt in one call (the model commits its windows), then one call per new token."
     n = check_int(n, 'sample: n', 0, ' (tokens to generate)')
-    window = window or _model_window(model)
     ids = prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids           # (B, T)
     if ids.shape[1] < 1: raise ValueError("sample: the prompt needs at least one token")
     dev = next(model.parameters()).device
@@ -891,15 +883,12 @@ def sample(model:nn.Module, # a model of the package's interface
     was_training = model.training; model.eval()
     try:
         state = model.init_state(ids.shape[0], device=dev)
-        n_full = (ids.shape[1] - 1) // window                                   # whole windows, leaving 1..window tokens
-        for w in range(n_full):                                                 # 1. prime: commit window after window
-            with autocast_for(dev, precision): _, _, state = model(ids[:, w * window:(w + 1) * window], state)
-        pending, res = ids[:, n_full * window:], ids.new_empty(ids.shape[0], n)  # (B, P) the open window, 1 <= P <= window
+        if ids.shape[1] > 1:                                                    # 1. prime: all but the last token
+            with autocast_for(dev, precision): _, _, state = model(ids[:, :-1], state)
+        last, res = ids[:, -1:], ids.new_empty(ids.shape[0], n)                # (B, 1) the next token to read
         for i in range(n):                                                      # 2. generate
-            with autocast_for(dev, precision): logits, _, after = model(pending, state)            # (B, P, V) rerun the open window
-            tok = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
-            res[:, i] = tok                                                     # (no list of n small tensors kept alive)
-            if pending.shape[1] == window: state, pending = after, tok[:, None]  # window full: commit, open a new one
-            else: pending = torch.cat([pending, tok[:, None]], 1)              # (B, P+1)
+            with autocast_for(dev, precision): logits, _, state = model(last, state)   # (B, 1, V)
+            last = sample_next(logits[:, -1], temperature, top_k, top_p, generator)[:, None]   # (B, 1)
+            res[:, i] = last[:, 0]                                              # (no list of n small tensors kept alive)
     finally: model.train(was_training)
     return res[0] if prompt_ids.dim() == 1 else res                             # (n,) or (B, n)
