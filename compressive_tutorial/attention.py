@@ -427,7 +427,8 @@ def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d
     K = k.shape[2]
     qk = q.reshape(B * H, T, dh), k.reshape(B * H, K, dh).transpose(1, 2)
     if overwrite and not torch.is_grad_enabled() and bias.shape == (B, H, T, K) and bias.is_contiguous() and not (torch.compiler.is_compiling() or _func_transforms_active()):
-        s = bias.view(B * H, T, K).baddbmm_(*qk)                     # evaluation: no copy of the bias, softmax in place
+        s = bias.view(B * H, T, K).baddbmm_(*qk)                     # no gradient (a train-mode pass under no_grad; evaluation takes
+                                                                     # shift_masked_): no copy of the bias, softmax in place
         p = torch.softmax(s, -1, out=s)
     else: p = torch.baddbmm(bias.expand(B, H, T, K).reshape(B * H, T, K), *qk).softmax(-1)   # a row always keeps its own key
     if dropout_p > 0: p = F.dropout(p, dropout_p)

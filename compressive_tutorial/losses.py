@@ -133,7 +133,7 @@ def make_decoder(name:str, # the compressor's name in `COMPRESSORS` ('conv', 'di
                  d_model:int, # width d of the memories
                  c:int, # the compressor's rate
                 )->nn.Module: # g: (B, n/c, d) -> (B, n, d)
-    "Build the auto-encoding decoder g that matches the compressor called `name`."
+    "Build the auto-encoding decoder g for the compressor called `name`: one transposed convolution that undoes any rate-c compression (the same g for every f_c; `name` is checked)."
     if name not in COMPRESSORS:
         raise ValueError(f"unknown compressor {name!r}: choose one of {list(COMPRESSORS)}")
     return ConvTransposeDecoder(d_model, c)

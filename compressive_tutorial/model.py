@@ -357,9 +357,7 @@ class CompressiveTransformer(TransformerXL):
         cm, m, window = mask_memory(cm, keep), mask_memory(m, keep), mask_memory(window, keep)
         if usage is not None and keep is not None: usage, age = usage * m.valid, age * m.valid   # counted afresh per episode
         w, wv = self._grow(window, h, new_valid)                             # (B, P+n, d) this layer's inputs of the window so far
-        if w.shape[1] < self.cfg.n_s:                                        # still open: keep it (and its keys/values)
-            wm = self._own(w.detach())
-            return r.out, m, cm, Memory(wm, wv, self._keep_kv(tag, [r.k], [r.v], wm) if cache else None), usage, age, None
+        if w.shape[1] < self.cfg.n_s: return r.out, m, cm, self._keep_open(w, wv, tag, r), usage, age, None   # still open: keep it
         upd = update_compressive_memory(m, cm, self._own(w), n_m, n_cm, self.cfg.c, self.compressors[i], usage,
                                         self.compression_loss.keeps_graph, wv, age)            # 8-11
         if self.compression_hook is not None: self.compression_hook(i, w, upd.old, upd.new_cm)

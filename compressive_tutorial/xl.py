@@ -63,8 +63,6 @@ class KVCache:
     of:tuple     # `memory_key` of the memory tensor they belong to: an edit of the memory (in place, or another tensor) drops them
 
     @property
-    def length(self) -> int: return sum(k.shape[2] for k in self.ks)
-    @property
     def k(self) -> Tensor: return self.ks[0] if len(self.ks) == 1 else torch.cat(self.ks, 2)   # (B, H, M, d_h): to inspect
     @property
     def v(self) -> Tensor: return self.vs[0] if len(self.vs) == 1 else torch.cat(self.vs, 2)   # (B, H, M, d_h)
@@ -255,7 +253,6 @@ class TransformerXL(nn.Module):
         self.head = Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_weights: self.head.weight = self.emb.weight
         self.kv_cache = True        # without gradients, keep each memory's keys/values in the state instead of re-projecting
-        self.kv_cache_dtype = None  # dtype to store them in (None: as projected); the hook for lower-precision caches
         self.copy_layer_outputs = False  # copy what the state keeps of a layer's outputs: set by `compile_layers` (notebook 06) for
                                          # CUDA graphs, whose next replay overwrites the tensors a layer returned
         self.one_window_graphs = False   # CUDA graphs without trees (`compile_layers`): a replay also overwrites the activations
@@ -411,8 +408,12 @@ class TransformerXL(nn.Module):
                 if n <= 0: break
                 out.append(p[:, :, -n:]); n -= p.shape[2]                # n > 0 here, so -n: is the last n (or all of p)
             return out[::-1] or [ps[-1][:, :, :0]]
-        own = lambda p: self._own(p if self.kv_cache_dtype is None else p.to(self.kv_cache_dtype))
-        return KVCache(tuple(map(own, tail(ks, n))), tuple(map(own, tail(vs, n))), tag, memory_key(mem))
+        return KVCache(tuple(map(self._own, tail(ks, n))), tuple(map(self._own, tail(vs, n))), tag, memory_key(mem))
+
+    def _keep_open(self, w:Tensor, wv:Tensor, tag:tuple|None, r:AttnResult) -> Memory:
+        "The window still open after a call: the layer's inputs `w` (B, P+n, d) so far, detached, valid `wv`, and their keys/values (the last P+n of `r`'s) if `tag`."
+        wm = self._own(w.detach())
+        return Memory(wm, wv, self._keep_kv(tag, [r.k], [r.v], wm) if tag is not None else None)
 
     def _attend(self, layer:XLLayer, h:Tensor, stores:list, first:Tensor|None, tag:tuple|None, need_probs:bool=False) -> AttnResult:
         "The layer over `h` (B, n, d), reading `stores` (Memory each, oldest first: [memory; open window]) as the keys in front of it; their cached keys/values if `tag` (the layer's `kv_tag()`, None: no cache) matches."
@@ -440,9 +441,7 @@ class TransformerXL(nn.Module):
             r = self._attend(layer, h, [memory, window], first, tag)       # keys/values r.k, r.v over [memory; window; h]
             memory, window = mask_memory(memory, keep), mask_memory(window, keep)
             w, wv = self._grow(window, h, new_valid)                       # (B, P+n, d) this layer's inputs of the window so far
-            if w.shape[1] < self.cfg.n_s:                                  # still open: keep it (and its keys/values)
-                wm = self._own(w.detach())
-                window = Memory(wm, wv, self._keep_kv(tag, [r.k], [r.v], wm) if tag is not None else None)
+            if w.shape[1] < self.cfg.n_s: window = self._keep_open(w, wv, tag, r)   # still open: keep it (and its keys/values)
             else:                                                          # complete: store this layer's INPUT (detached; may be a view of w)
                 memory, window = update_memory(memory, self._own(w), n_m, wv), Memory(window.mem[:, :0], window.valid[:, :0])
                 if tag is not None: memory.kv = self._keep_kv(tag, [r.k], [r.v], memory.mem)   # the tail of [memory; window]
