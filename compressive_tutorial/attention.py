@@ -140,12 +140,12 @@ def cpu_vendor() -> str:
 
 def onednn_by_default(machine:str, # the architecture, as `platform.machine()` says it
                       vendor:str, # the CPU's maker, as `cpu_vendor()` says it
-                      flags:str # the CPU's features, as the 'flags' of /proc/cpuinfo list them ('' where unknown)
+                      capability:str # the widest vector extension PyTorch's CPU kernels use here, as `torch.backends.cpu.get_cpu_capability()` says it
                      ) -> bool:
     "What 'auto' chooses: oneDNN on x86 CPUs with AVX-512 whose maker is known and is not Intel (MKL leaves AVX-512 unused there; without it both libraries run AVX2 kernels, and MKL's were the faster)."
-    return machine.lower() in ('x86_64', 'amd64') and vendor not in ('', 'GenuineIntel') and 'avx512f' in flags.split()
+    return machine.lower() in ('x86_64', 'amd64') and vendor not in ('', 'GenuineIntel') and capability.upper().startswith('AVX512')
 
-_ONEDNN_HERE = onednn_by_default(platform.machine(), cpu_vendor(), cpu_info('flags'))   # what 'auto' means on this machine, read once, at import
+_ONEDNN_HERE = onednn_by_default(platform.machine(), cpu_vendor(), torch.backends.cpu.get_cpu_capability())   # what 'auto' means here, read once, at import
 
 def cpu_gemm() -> str:
     "The library float32 linear layers (`linear`) multiply with on this CPU now: 'onednn' or 'blas' (PyTorch's default: MKL on x86)."
@@ -439,20 +439,22 @@ def attend_biased(q:Tensor, # (B, H, T, d_h) queries, already scaled by 1/sqrt(d
 _causal_bias = _size_constant(lambda T, device, dtype:      # (T, T): 0 on and below the diagonal, -inf above; shared, read only
                               torch.zeros(T, T, device=device, dtype=dtype).masked_fill_(~causal_mask(T, 0, device), float('-inf')))
 
-POS_ALIGN = 16   # in evaluation the position GEMM writes rows of a multiple of this many columns (`pos_columns`)
+POS_ALIGN = 16   # in evaluation the position GEMM computes rows of a multiple of this many distances (`pos_columns`)
 
 def pos_columns(D:int) -> int:
-    "The columns the evaluation's position GEMM computes for D distances: D rounded up to a multiple of `POS_ALIGN` (zeros, which the shifted view covers only where attention is masked)."
+    "How many distances the evaluation's position GEMM computes for the D it needs: D rounded up to a multiple of `POS_ALIGN` (the model keeps the last D columns)."
     return -(-D // POS_ALIGN) * POS_ALIGN
 
-def shift_masked_(x:Tensor, # (..., T, K+1) scores against reversed distances K .. 0 (column c is distance K-c), e.g. (q+v) Q^T; rows may be padded (stride >= K+1)
-                  mask:Tensor # bool, broadcastable to (..., T, K); True = may attend; must hide everything above the causal boundary
+def shift_masked_(x:Tensor, # (..., T, K+1) scores against reversed distances K .. 0 (column c is distance K-c), e.g. (q+v) Q^T
+                  mask:Tensor, # bool, broadcastable to (..., T, K); True = may attend; must hide everything above the causal boundary
+                  scratch:bool=False # x's rows may lie further apart than K+1 (x a column slice of a wider tensor), and what lies
+                                     # between them is scratch that the masked writes may overwrite; False: such an x is copied first
                  ) -> Tensor: # (..., T, K) a view of x, equal to rel_shift(x[..., 1:]) where mask, -inf elsewhere
     "`shift_masked` without a copy, for evaluation: over one distance more than keys, the shifted rows are a strided view of `x`, and only its masked entries are written (in place)."
     *lead, T, D = x.shape
     K, M = D - 1, D - 1 - T                                             # keys; memory slots in front of the window
     if M < 0: raise ValueError(f"shift_masked_ needs x over K+1 distances for K >= T keys, got x of shape {tuple(x.shape)}.")
-    if not _rows_dense(x, padded=True): x = x.contiguous()              # (a copy is filled then, not the caller's x)
+    if not _rows_dense(x, padded=scratch): x = x.contiguous()           # (a copy is filled then, not the caller's x)
     R = x.stride(-2)                                                    # x's rows: K+1 apart, or more where they are padded
     view = x.as_strided((*lead, T, K), (*x.stride()[:-2], R - 1, 1), x.storage_offset() + T)   # row i from column T-i, rows at stride R-1
     win, mem = mask[..., M:], mask[..., :M]                             # the window's keys; the memory's
@@ -614,15 +616,14 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         K = k.shape[2]
         in_place = self.attn_impl == 'sdpa' and q.device.type == 'cpu' and not (torch.is_grad_enabled() or dropout_p or torch.compiler.is_compiling() or _func_transforms_active())
         D = K + 1 if in_place else K                                      # distances D-1 .. 0: one more for `shift_masked_`
-        Q = self.rel_proj(D, q.device).to(q.dtype)                        # (H, d_h, D), the same for every stream
-        P = pos_columns(D) if in_place else D                             # evaluation: rows padded to whole vectors (K+1 is odd
-        if P > D: Q = F.pad(Q, (0, P - D))                                # where K is even), zeros in the padding
+        P = pos_columns(D) if in_place else D                             # evaluation: rows of whole vectors (K+1 is odd where K is even)
+        Q = self.rel_proj(P, q.device).to(q.dtype)                        # (H, d_h, P) distances P-1 .. 0, the same for every stream
         u, v_ = ((b * s).to(q.dtype)[:, None, :] for b in (self.u_bias, self.v_bias))   # (H, 1, d_h) in the queries' dtype (autocast)
         qv = torch.add(v_, q, alpha=s).transpose(0, 1).reshape(H, B * T, dh)   # (H, B*T, d_h) (q+v)/sqrt(d_h): a view, stored (B, T, H, d_h)
-        pos = torch.bmm(qv, Q).view(H, B, T, P).transpose(0, 1)[..., :D]  # (B, H, T, D), rows P apart: one GEMM per head over all B*T queries
+        pos = torch.bmm(qv, Q).view(H, B, T, P).transpose(0, 1)[..., P - D:]   # (B, H, T, D) distances D-1 .. 0, rows P apart: one GEMM per head
         qu, k, v = torch.add(u, q, alpha=s), k.to(q.dtype), v.to(q.dtype) # (q+u)/sqrt(d_h)
         if self.attn_impl == 'flex': return attend_flex(qu, k, v, pos, mask)   # shift and mask inside the kernel: no bias
         if in_place:                                                      # evaluation on the CPU: the bias is a view of pos
-            return F.scaled_dot_product_attention(qu, k, v, attn_mask=shift_masked_(pos, mask), scale=1.0)
+            return F.scaled_dot_product_attention(qu, k, v, attn_mask=shift_masked_(pos, mask, scratch=True), scale=1.0)   # (pos is ours)
         return attend_biased(qu, k, v, shift_masked(pos, mask), dropout_p, overwrite=True)   # bias (B, H, T, K): -inf where masked
 

@@ -874,7 +874,7 @@ def sample(model:nn.Module, # a model of the package's interface
            generator:torch.Generator|None=None, # a seeded generator reproduces a sample (on the CPU for a GPU model: drawn there)
            precision:str='auto' # as the model was trained: 'auto' (`choose_precision`), 'bf16', 'fp16' or 'fp32'
           ) -> Tensor: # (n,) or (B, n) the generated ids
-    "Continue a prompt with memory: the prompt in one call (the model commits its windows), then one call per new token."
+    "Continue a prompt with memory: the prompt a window at a time (the model commits its windows), then one call per new token."
     n = check_int(n, 'sample: n', 0, ' (tokens to generate)')
     ids = prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids           # (B, T)
     if ids.shape[1] < 1: raise ValueError("sample: the prompt needs at least one token")
@@ -883,8 +883,10 @@ def sample(model:nn.Module, # a model of the package's interface
     was_training = model.training; model.eval()
     try:
         state = model.init_state(ids.shape[0], device=dev)
-        if ids.shape[1] > 1:                                                    # 1. prime: all but the last token
-            with autocast_for(dev, precision): _, _, state = model(ids[:, :-1], state)
+        n_s = getattr(getattr(model, 'cfg', None), 'n_s', None)
+        chunk, T = n_s if isinstance(n_s, int) and n_s > 0 else 512, ids.shape[1] - 1   # (a call over the whole prompt would make
+        for s in range(0, T, chunk):                                            # (B, T, V) logits) 1. prime: all but the last token
+            with autocast_for(dev, precision): _, _, state = model(ids[:, s:min(s + chunk, T)], state)
         last, res = ids[:, -1:], ids.new_empty(ids.shape[0], n)                # (B, 1) the next token to read
         for i in range(n):                                                      # 2. generate
             with autocast_for(dev, precision): logits, _, state = model(last, state)   # (B, 1, V)
