@@ -800,7 +800,7 @@ class Trainer:
 def hardware(device=None, # where the run happens (None: CPU)
              precision:str|None='auto', # the run's TrainConfig.precision, stated as `choose_precision` resolves it (None: not stated)
             ) -> str:
-    "One line that says where a run happens: the GPU (and its compute capability) or the CPU (and the library its float32 linear layers multiply with: `cpu_gemm`), the precision, the DDP processes, torch."
+    "One line that says where a run happens: the GPU (and its compute capability) or the CPU (its widest vector extension that PyTorch's kernels use, and the library its float32 linear layers multiply with: `cpu_gemm`), the precision, the DDP processes, torch."
     device = torch.device(device or 'cpu')
     if device.type == 'cuda':
         major, minor = torch.cuda.get_device_capability(device)
@@ -808,7 +808,8 @@ def hardware(device=None, # where the run happens (None: CPU)
     else:
         cpu = cpu_info('model name') or platform.processor() or platform.machine()
         gemm = 'oneDNN' if cpu_gemm() == 'onednn' else 'MKL' if torch.backends.mkl.is_available() else 'BLAS'
-        where = f'CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), {gemm} linear layers'
+        where = (f'CPU {cpu} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), '
+                 f'{gemm} linear layers')                              # (AVX2 or AVX512: one model name can be either, and speeds differ)
     parts = [where] + ([PRECISION_NOTES[choose_precision(device, precision)]] if precision is not None else [])
     world = dist_rank_world()[1]
     if world > 1: parts.append(f'DDP over {world} processes')
