@@ -166,10 +166,11 @@ class set_cpu_gemm:
 def _onednn_fits(x:Tensor, w:Tensor, b:Tensor|None=None) -> bool:
     "Whether oneDNN can take `linear(x, w, b)`, if chosen: a large enough float32 product on the CPU, of shapes that fit (F.linear says what does not), of plain tensors and parameters, outside autocast, torch.func and forward-mode AD. (Inside torch.compile the same: a compiled graph calls the same op.)"
     ts = (x, w) if b is None else (x, w, b)
-    return (all(type(t) in (Tensor, nn.Parameter) and t.device.type == 'cpu' and t.dtype == torch.float32 for t in ts)
+    return (all(type(t) in (Tensor, nn.Parameter) for t in ts)
             and x.dim() >= 2 and w.dim() == 2 and x.shape[-1] == w.shape[1]
+            and x.numel() // max(x.shape[-1], 1) * w.numel() >= ONEDNN_MIN_MACS   # (first: a small model's products stop here)
+            and all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in ts)
             and (b is None or tuple(b.shape) == (w.shape[0],) and b.is_contiguous())   # (oneDNN reads a bias as contiguous)
-            and x.numel() // max(x.shape[-1], 1) * w.numel() >= ONEDNN_MIN_MACS
             and not torch.is_autocast_enabled('cpu') and not _func_transforms_active()
             and torch.autograd.forward_ad._current_level < 0 and not torch.overrides.has_torch_function(ts))   # no dual tensors
 
