@@ -520,15 +520,17 @@ _STEP_HOOK = register_optimizer_step_post_hook(_count_step)             # PyTorc
 _UIDS = itertools.count(int.from_bytes(os.urandom(6), 'big') << 16)   # a random start: numbers kept in a state that another process pickled do not recur
 _UID_OF = {}   # id(tensor) -> (a weak reference to it, its number); an entry leaves with its tensor
 
-@torch.compiler.disable                                                   # (run eagerly inside a compiled model: the map is Python state)
 def _uid(p:Tensor) -> int:
     "A number naming the tensor object `p` for its life in this process. Not its address, which a later tensor reuses once it is freed; not a number kept on the tensor, which its pickle would carry into every copy loaded from it."
+    if torch.compiler.is_compiling(): return _uid_eagerly(p)               # (the map is Python state: run eagerly inside a compiled model)
     k = id(p); e = _UID_OF.get(k)
     if e is not None and e[0]() is p: return e[1]
     def gone(ref, k=k):
         if _UID_OF.get(k, (None,))[0] is ref: del _UID_OF[k]
     u = next(_UIDS); _UID_OF[k] = (weakref.ref(p, gone), u)
     return u
+
+_uid_eagerly = torch.compiler.disable(_uid)   # (not the decorator: its wrapper cost every eager call about 6 us, 28 calls a generated token)
 
 def hooks_key(*mods:nn.Module) -> tuple:
     "The forward hooks registered on these modules, by handle number: for a value computed through them and kept, since a hook may change what a module computes without touching a weight. (Global module hooks are left out: tools such as the FLOP counter register them to watch every module, not to change one.)"
