@@ -463,15 +463,19 @@ def _peak_child(name:str, cfg_json:str, phase:str):
     print(json.dumps(_rss_mib('VmHWM') - base))
 
 def cpu_peak_mib(name:str, cfg:BenchConfig) -> tuple:
-    "(training, inference) peak resident memory in MiB above a fresh process holding the built model (CPU, Linux): each phase in a process of its own, since memory one phase freed stays with the process and would hide the other's."
-    def child(phase):
-        code = f"from compressive_tutorial.bench import _peak_child; _peak_child({name!r}, {json.dumps(json.dumps(asdict(cfg)))}, {phase!r})"
-        out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
-        if out.returncode:
-            last = (out.stderr.strip().splitlines() or ['no error output'])[-1]
-            raise RuntimeError(f"peak-memory child for {name} ({phase}) failed: {last}\n{out.stderr[-2000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    return child('train'), child('infer')
+    "(training, inference) peak resident memory in MiB above a fresh process holding the built model (CPU, Linux): each phase in a process of its own, since memory one phase freed stays with the process and would hide the other's. The two run at the same time (each measures only itself)."
+    code = lambda phase: f"from compressive_tutorial.bench import _peak_child; _peak_child({name!r}, {json.dumps(json.dumps(asdict(cfg)))}, {phase!r})"
+    children = [(phase, subprocess.Popen([sys.executable, '-c', code(phase)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                for phase in ('train', 'infer')]
+    def result(phase, child):
+        out, err = child.communicate()
+        if child.returncode:
+            last = (err.strip().splitlines() or ['no error output'])[-1]
+            raise RuntimeError(f"peak-memory child for {name} ({phase}) failed: {last}\n{err[-2000:]}")
+        return json.loads(out.strip().splitlines()[-1])
+    try: return tuple(result(*c) for c in children)
+    finally:
+        for _, child in children: child.kill(); child.wait()     # (one failed: the other stops too; kill after exit does nothing)
 
 # %% ../nbs/15_performance.ipynb #b1500022
 def report(r:dict # what `run_benchmark` returned
