@@ -40,8 +40,8 @@ def check_action(action, # what the agent passed to `step`
                  n:int # the number of actions: valid actions are 0..n-1
                 ) -> int: # the action as a Python int
     "An integer action in [0, n), or a clear error."
-    if isinstance(action, (int, np.integer)) and not isinstance(action, bool) and 0 <= action < n: return int(action)   # the usual case,
-    a = np.asarray(action)                                                                  # without numpy's dtype questions (4 us a step)
+    if isinstance(action, (int, np.integer)) and not isinstance(action, bool) and 0 <= action < n: return int(action)   # the usual case, without
+    a = np.asarray(action)                                                                  # numpy's dtype questions (about 4 us a call)
     if a.shape != () or not (np.issubdtype(a.dtype, np.integer) and not np.issubdtype(a.dtype, np.bool_)) or not 0 <= int(a) < n:
         raise ValueError(f"action={action!r} is out of range: this environment takes one integer in [0, {n}) per step "
                          f"(a batch of environments takes an integer array of shape (num_envs,)).")
