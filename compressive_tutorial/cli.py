@@ -25,7 +25,7 @@ from .xl import XLConfig
 from .model import CTConfig, MODEL_KINDS, build_model, held_memory, memory_summary, windows_per_call
 from .train import (
     TrainConfig, Trainer, evaluate, sample, seed_everything, lr_at, hardware, init_distributed, dist_rank_world, DEVICES,
-    PRECISIONS, choose_precision)
+    PRECISIONS, choose_precision, devices_here)
 from .train import compile_layers
 from .checkpoint import (
     TrainingInterrupted, NonFiniteError, RunFolderBusy, load_checkpoint, model_diff, _set_weights, folder_lock, write_atomic)
@@ -392,13 +392,12 @@ def _device(name:str, # 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'
             option:str='--device ' # where the user sets it, for the message
            ) -> torch.device:
     "The torch device of a RunConfig.device; a ConfigError naming the choices if it is not one, or not on this machine."
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    here = ['cpu'] + (['cuda'] + [f'cuda:{i}' for i in range(n)] if n else []) + (['mps'] if torch.backends.mps.is_available() else [])
+    here = devices_here()
     if name != 'auto' and not re.fullmatch(DEVICES, name):
         raise ConfigError(f"{option}{name}: not a device `ct` runs on; use auto, cpu, cuda, cuda:N or mps (this machine has {', '.join(here)})")
     if name not in ('auto', *here):
         raise ConfigError(f"{option}{name}: this machine has no such device; use one it has: {', '.join(here)}{' (or auto)' if option == '--device ' else ''}")
-    dev = torch.device(('cuda' if n else 'cpu') if name == 'auto' else name)
+    dev = torch.device(('cuda' if 'cuda' in here else 'cpu') if name == 'auto' else name)
     if dev.type == 'cuda' and dev.index is None: dev = torch.device('cuda', torch.cuda.current_device())   # torchrun: this rank's GPU
     return dev
 

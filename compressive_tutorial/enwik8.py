@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['ENWIK8_PRESETS', 'GPUS', 'MFU_MEASURED', 'PRESET_GPU', 'GIB', 'protocol_train_config', 'Enwik8Preset', 'predict_step',
            'measure_step', 'estimate_cost', 'runs_root', 'make_enwik8_fixture', 'train_protocol', 'sessions',
-           'sweep_sizes', 'evaluate_protocol', 'plot_protocol', 'pick_preset']
+           'sweep_sizes', 'evaluate_protocol', 'plot_protocol', 'pick_preset', 'preset_device']
 
 # %% ../nbs/13_enwik8.ipynb #ec584be8
 import hashlib, json, os, time, zipfile
@@ -16,7 +16,7 @@ import torch
 from .data import ENWIK8_URL, Batch, StreamLoader, check_int, data_cache_dir, fixture_download
 from .checkpoint import IMPL_FIELDS, write_atomic
 from .model import CTConfig, build_model, windows_per_call
-from .train import TrainConfig, Trainer, all_sum, dist_rank_world, evaluate, hardware, seed_everything
+from .train import TrainConfig, Trainer, all_sum, check_device, devices_here, dist_rank_world, evaluate, hardware, seed_everything
 from .analysis import eval_across_memory_sizes, plot_memory_sweep, warmup_windows
 from .cli import n_params, paper_schedule
 from .experiments import _data_key
@@ -197,6 +197,7 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
                    progress:bool=True, # a tqdm bar with loss, bits per byte and tokens/s
                   ) -> Trainer:
     "Start the run in `folder`, or continue it from its last checkpoint; train in chunks of `ckpt_every`, saving after each."
+    dev = check_device(device) if device is not None else torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
     spec, fspec = _spec(preset, data), folder/'protocol.json'
     rank, world = dist_rank_world()
@@ -209,7 +210,6 @@ def train_protocol(folder, # the run's folder (e.g. `runs_root()/'enwik8-t4'`): 
             diff = sorted({k for k in spec['preset'] if old['preset'].get(k) != spec['preset'][k]} | ({'data'} if old['data'] != spec['data'] else set()))
             raise ValueError(f'{folder} holds a run of another preset or data (differs in {diff}); continue it with the same '
                              'preset and data, or give this run another folder')
-    dev = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     cfg, tcfg = preset.model_config(), preset.train_config(progress)
     u = windows_per_call(cfg)
     train_dl = StreamLoader(data['train'], preset.batch_size // u, cfg.n_s * u, tail='drop')
@@ -320,3 +320,13 @@ def pick_preset(device=None, # a CUDA device (None: the current one)
     for key, preset in (('H100', 'h100'), ('H200', 'h100'), ('A100', 'a100'), ('L4', 'l4'), ('T4', 't4')):
         if key in name: return preset
     raise ValueError(f'no preset for the GPU {name!r}: pick a key of ENWIK8_PRESETS by hand (the largest whose GPU memory does not exceed yours)')
+
+def preset_device(preset:str, # a key of ENWIK8_PRESETS
+                 ) -> torch.device:
+    "Where a preset runs: CUDA for the GPU presets (refused, with the way out, on a machine without one), the CPU for 'cpu' and 'tiny'."
+    if preset not in ENWIK8_PRESETS: raise ValueError(f'preset={preset!r} is unknown: use one of {list(ENWIK8_PRESETS)}')
+    if preset not in PRESET_GPU: return torch.device('cpu')
+    if not torch.cuda.is_available():
+        raise ValueError(f"preset {preset!r} is sized for a {PRESET_GPU[preset]}, and this machine has no CUDA GPU (it has {', '.join(devices_here())}). "
+                         "In Colab: Runtime > Change runtime type > a GPU, then run the notebook again; on a CPU, use the 'cpu' preset")
+    return torch.device('cuda', torch.cuda.current_device())

@@ -16,7 +16,7 @@ from .checkpoint import load_checkpoint, write_atomic
 from .data import Corpus, StreamLoader, check_int, encode_documents, load_books
 from .xl import XLConfig
 from .model import CTConfig, build_model, held_memory, memory_summary, windows_per_call
-from .train import TrainConfig, Trainer, evaluate, hardware, seed_everything
+from .train import TrainConfig, Trainer, check_device, evaluate, hardware, seed_everything
 
 # %% ../nbs/09_books_char.ipynb #fc507a73
 def books_corpora(folder=None, # a folder of .txt books; None: the shared books corpus (see `load_books`)
@@ -136,7 +136,7 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
     unroll = windows_per_call(cfg)                                                    # §5.2: BPTT unrolls 2 windows, B/2 streams
     if batch_size % unroll: raise ValueError(f"compression_loss='bptt' trains on batch_size/2 streams of 2*n_s tokens: batch_size={batch_size} must be even")
     name = name or run_label(cfg)
-    dev = torch.device(device)
+    dev = check_device(device)
     spec = dict(kind=model_kind, cfg=_nondefault(cfg), train_cfg=_nondefault(train_cfg), steps=steps, batch_size=batch_size,
                 eval_windows=eval_windows, eval_batch_size=eval_batch_size, seed=seed, device=dev.type,
                 data=_data_key(data))

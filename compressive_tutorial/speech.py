@@ -28,7 +28,7 @@ from .data import SPLITS, Corpus, StreamLoader, check_int, data_cache_dir, find_
 from .xl import TransformerXL, lm_loss
 from .attention import Linear
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
-from .train import TrainConfig, Trainer, compression_parameters, evaluate, hardware, sample, seed_everything
+from .train import TrainConfig, Trainer, check_device, compression_parameters, evaluate, hardware, sample, seed_everything
 from .checkpoint import load_weights, write_atomic
 from .experiments import equal_cost_pair, run_label, _nondefault, _stale, _resume, _check_split, _data_key, _run_key, _run_stem, _sync
 from .cli import n_params
@@ -577,7 +577,7 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
         if windows_per_call(cfg) > chunk // cfg.n_s:
             raise ValueError(f"compression_loss='bptt' needs at least 2 windows per chunk: use chunk >= {2 * cfg.n_s}")
     name = name or speech_label(kind, cfg)
-    dev = torch.device(device)
+    dev = check_device(device)
     _check_split(data, 'train', batch_size, chunk, 'lower batch_size or chunk')
     for s in ('test', 'valid'): _check_split(data, s, eval_streams, chunk, 'lower eval_streams or chunk')
     train_dl = StreamLoader(data['train'], batch_size, chunk)
@@ -737,6 +737,7 @@ def gpu_run(kind:str, # 'txl', 'ct' or 'wavenet'
            ) -> dict: # the result of `speech_run` (done=False: call again to continue)
     "One run of the paper-scaled comparison, resumable: call it again with the same arguments until it returns done=True."
     if kind not in KINDS: raise ValueError(f"kind={kind!r}: use one of {KINDS}")
+    check_device(device)                                       # before the data is read
     data = load_ljspeech() if data is None else load_codes(data) if isinstance(data, (str, Path)) else data
     folder = data_cache_dir()/'runs'/'11_speech'/'gpu' if folder is None else folder
     return speech_run(kind, paper_scaled_configs()[kind], gpu_train_config(steps), steps=steps, data=data, batch_size=8,

@@ -19,7 +19,7 @@ from torch import Tensor
 from .data import MAX_TORCH_SEED, Batch, check_int
 from .xl import XLConfig, TransformerXL, lm_loss, temporal_range
 from .model import CTConfig, CompressiveTransformer, attention_cost, ct_temporal_range, held_memory, windows_per_call
-from .train import TrainConfig, Trainer, hardware
+from .train import TrainConfig, Trainer, check_device, hardware
 
 # %% ../nbs/08_long_range_recall.ipynb #5e09cdb6
 @dataclass
@@ -340,7 +340,7 @@ def run_demo(cfg:RecallConfig|None=None, # the experiment (None: `RecallConfig()
     "Train Transformer-XL and the Compressive Transformer at equal attention cost on cue recall and compare them by D."
     cfg = replace(cfg or RecallConfig(), **overrides)                  # replace keeps the task's class, and checks again
     old_threads = torch.get_num_threads()
-    if threads is not None and torch.device(device).type == 'cpu': torch.set_num_threads(threads)
+    if check_device(device).type == 'cpu' and threads is not None: torch.set_num_threads(threads)
     t0 = time.perf_counter()
     try:
         if verbose: print(f'config: {asdict(cfg)}\nhardware: {hardware(device)}', flush=True)
@@ -440,7 +440,7 @@ def run_order_recall(cfg:RecallConfig|None=None, # sizes, an OrderRecallTask, tr
     cfg = order_config() if cfg is None else cfg
     if not isinstance(cfg.task, OrderRecallTask): raise TypeError(f"cfg.task must be an OrderRecallTask, got {type(cfg.task).__name__}: use order_config().")
     old_threads = torch.get_num_threads()
-    if threads is not None and torch.device(device).type == 'cpu': torch.set_num_threads(threads)
+    if check_device(device).type == 'cpu' and threads is not None: torch.set_num_threads(threads)
     t0 = time.perf_counter()
     args = (cfg.n_s, cfg.ct_n_m, cfg.n_cm, cfg.c)
     res = dict(config=cfg, distances=list(cfg.distances), variants=[f'{f}/{s}' for f, s in variants], seeds=list(seeds),

@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = ['PRECISIONS', 'DEVICES', 'LN2', 'PRECISION_NOTES', 'TrainConfig', 'lr_at', 'accumulation_at', 'bits_per_byte',
            'perplexity', 'compression_parameters', 'make_adam', 'load_optimizer_state', 'compile_layers', 'bf16_native',
-           'choose_precision', 'autocast_for', 'to_device', 'evaluate', 'dist_rank_world', 'init_distributed',
-           'shard_rows', 'shard_batch', 'all_sum', 'gather_rows', 'ddp_wrap', 'average_grads', 'Trainer', 'hardware',
-           'seed_everything', 'top_k_filter', 'top_p_filter', 'sample_next', 'sample']
+           'choose_precision', 'autocast_for', 'devices_here', 'check_device', 'to_device', 'evaluate',
+           'dist_rank_world', 'init_distributed', 'shard_rows', 'shard_batch', 'all_sum', 'gather_rows', 'ddp_wrap',
+           'average_grads', 'Trainer', 'hardware', 'seed_everything', 'top_k_filter', 'top_p_filter', 'sample_next',
+           'sample']
 
 # %% ../nbs/06_training.ipynb #df0e3126
 import contextlib, inspect, itertools, math, numbers, os, platform, random, time, warnings
@@ -196,6 +197,23 @@ def autocast_for(device, # where the model runs
     "The autocast context of a precision: matrix products in bf16 or fp16; nothing for fp32."
     if precision == 'fp32': return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=_LOW[precision])
+
+# %% ../nbs/06_training.ipynb #s36dev02
+def devices_here() -> list: # 'cpu', then 'cuda' and 'cuda:N' for each GPU, then 'mps' on Apple silicon
+    "The devices this machine has, as `torch.device` names them."
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ['cpu'] + (['cuda'] + [f'cuda:{i}' for i in range(n)] if n else []) + (['mps'] if torch.backends.mps.is_available() else [])
+
+def check_device(device, # 'cpu', 'cuda', 'cuda:N', 'mps', or a torch.device
+                 arg:str='device', # the argument's name, for the message
+                ) -> torch.device:
+    "`device` as a torch.device if this machine has it; else a ValueError naming the devices it has (for a GPU: how to get one in Colab)."
+    try: dev = torch.device(device)
+    except (RuntimeError, TypeError): raise ValueError(f"{arg}={device!r} is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
+    here = devices_here()
+    if dev.type == 'cpu' or str(dev) in here: return dev
+    colab = ' In Colab: Runtime > Change runtime type > a GPU, then run the notebook again.' if dev.type == 'cuda' else ''
+    raise ValueError(f"{arg}={device!r}: this machine has no such device (it has {', '.join(here)}).{colab} Or pass {arg}='cpu'.")
 
 # %% ../nbs/06_training.ipynb #7076f657
 def to_device(t:Tensor|None, # a loader's tensor (or None: no such field)
