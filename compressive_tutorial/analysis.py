@@ -381,7 +381,7 @@ def _capture_losses(model, store:list):
 @torch.no_grad()
 def compression_loss_by_layer(model:CompressiveTransformer, # a trained Compressive Transformer
                               loader, # Batch(x, y, reset) windows, read from the first with empty memories
-                              n_windows:int, # loader windows to read (the warm-up evicts nothing and adds nothing)
+                              n_windows:int, # loader windows to read (a window that evicts nothing, the first when n_m = n_s, adds nothing)
                               source:str='auto', # 'aux': model.aux_losses ('attention' models); 'hooks': recompute; 'auto': aux if possible
                               n_m:int|None=None, # memory slots at evaluation (None: the model's)
                               n_cm:int|None=None # compressed memory slots at evaluation (None: the model's)
