@@ -40,7 +40,7 @@ class BenchConfig:
     n_cm:int = 128              # compressed memory slots per layer
     c:int = 4                   # compression rate
     batch_size:int = 8          # B streams
-    dtype:str = 'float32'       # 'float32', or 'bfloat16' / 'float16' (autocast, CUDA)
+    dtype:str = 'float32'       # 'float32', or 'bfloat16' / 'float16' (autocast on the device)
     device:str = 'cpu'          # 'cpu' or 'cuda'
     threads:int|None = None     # torch threads on CPU (None: leave torch's choice)
     warmup:int|None = None      # windows before timing (None: `warm`, just enough to fill every memory and compressed memory)
@@ -300,7 +300,7 @@ def make_runner(cfg:BenchConfig, name:str) -> Runner:
 
 # %% ../nbs/15_performance.ipynb #b1500015
 def _autocast(cfg:BenchConfig):
-    "Autocast to the benchmark's low precision on CUDA; nothing in fp32 (the hook for the precision work)."
+    "Autocast to the benchmark's low precision on its device; nothing in fp32 (the hook for the precision work)."
     if cfg.dtype == 'float32': return torch.autocast('cpu', enabled=False)
     return torch.autocast(cfg.device.split(':')[0], dtype=getattr(torch, cfg.dtype))
 
