@@ -19,7 +19,7 @@ from .data import check_int
 from .xl import XLConfig, TransformerXL
 from .model import CTConfig, CompressiveTransformer, held_memory
 from .losses import CompressionLoss
-from .train import DEVICES, hardware, make_adam, compile_layers, bf16_native
+from .train import DEVICES, check_device, hardware, make_adam, compile_layers, bf16_native
 from .attention import cpu_gemm, linear, pos_columns, set_cpu_gemm
 from .experiments import _sync
 from .analysis import warmup_windows
@@ -386,6 +386,7 @@ def run_benchmark(cfg:BenchConfig=BENCH_CPU, # sizes, precision and repetitions
                   progress:bool=True # print each repetition
                  ) -> dict: # results: per implementation tokens/s (median, all reps), FLOPs, memory; mm FLOP/s; hardware
     "Train, then infer, every implementation in turn for `reps` interleaved repetitions, in this one process."
+    check_device(cfg.device, 'BenchConfig.device')        # (BENCH_GPU is defined everywhere; it runs only where there is a GPU)
     if cfg.threads: torch.set_num_threads(cfg.threads)
     dev = cfg.device
     hw = hardware(dev)                                     # first: a bad CT_CPU_GEMM fails here, not after the timings
@@ -560,6 +561,7 @@ def profile_table(cfg:BenchConfig, # sizes and device
     "Where the time goes in a few steady-state windows of one implementation (torch.profiler, self time per op)."
     from torch.profiler import profile, ProfilerActivity
     if phase not in ('train', 'infer'): raise ValueError(f"phase={phase!r}: use 'train' or 'infer'")
+    check_device(cfg.device, 'BenchConfig.device')
     if cfg.threads: torch.set_num_threads(cfg.threads)
     r = make_runner(cfg, impl)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.n_s), device=cfg.device)

@@ -94,7 +94,7 @@ GPUS = {  # name: (dense tensor-core peak FLOP/s of the precision used there, me
     'A100': (312e12, 40.0, 'bf16'),
     'H100': (989e12, 80.0, 'bf16'),
 }
-MFU_MEASURED = 0.06   # our eager CT's model-FLOP utilisation on an H100 and an H200 (notebook 15: 5-6%; 8% with CUDA graphs)
+MFU_MEASURED = 0.06   # our eager CT's model-FLOP utilisation on an H100 and an H200 (notebook 15: 5.1-6.4%; 6.7-8.4% with CUDA graphs)
 PRESET_GPU = {'t4': 'T4', 'l4': 'L4', 'a100': 'A100', 'h100': 'H100', 'h100-books': 'H100'}
 GIB = 2**30
 

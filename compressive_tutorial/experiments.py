@@ -132,11 +132,11 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
         if not isinstance(data[s], Corpus): raise TypeError(f"data[{s!r}] is a {type(data[s]).__name__}, not a Corpus: build one with encode_documents(docs) (notebook 00)")
     steps, batch_size, eval_windows, eval_batch_size = (check_int(v, k) for k, v in (('steps', steps), ('batch_size', batch_size),
                                                         ('eval_windows', eval_windows), ('eval_batch_size', eval_batch_size)))
+    dev = check_device(device)                                                        # a device this machine lacks: refused first
     build_model(model_kind, cfg)                                                      # checks kind and config before any work
     unroll = windows_per_call(cfg)                                                    # §5.2: BPTT unrolls 2 windows, B/2 streams
     if batch_size % unroll: raise ValueError(f"compression_loss='bptt' trains on batch_size/2 streams of 2*n_s tokens: batch_size={batch_size} must be even")
     name = name or run_label(cfg)
-    dev = check_device(device)
     spec = dict(kind=model_kind, cfg=_nondefault(cfg), train_cfg=_nondefault(train_cfg), steps=steps, batch_size=batch_size,
                 eval_windows=eval_windows, eval_batch_size=eval_batch_size, seed=seed, device=dev.type,
                 data=_data_key(data))

@@ -571,13 +571,13 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
                                               "every eval_every steps (its own argument); set train_cfg.eval_every=0")
     if time_budget_s is not None and folder is None:
         raise ValueError('time_budget_s needs folder=...: without a checkpoint, a run stopped at its budget would start again from step 0')
+    dev = check_device(device)                                                      # a device this machine lacks: refused first
     build_model(kind, cfg)                                                          # checks kind and config first
     if kind != 'wavenet':
         if chunk % cfg.n_s: raise ValueError(f'chunk={chunk} must be a multiple of the window n_s={cfg.n_s}: the transformers unroll over whole windows')
         if windows_per_call(cfg) > chunk // cfg.n_s:
             raise ValueError(f"compression_loss='bptt' needs at least 2 windows per chunk: use chunk >= {2 * cfg.n_s}")
     name = name or speech_label(kind, cfg)
-    dev = check_device(device)
     _check_split(data, 'train', batch_size, chunk, 'lower batch_size or chunk')
     for s in ('test', 'valid'): _check_split(data, s, eval_streams, chunk, 'lower eval_streams or chunk')
     train_dl = StreamLoader(data['train'], batch_size, chunk)

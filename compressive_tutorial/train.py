@@ -207,12 +207,13 @@ def devices_here() -> list: # 'cpu', then 'cuda' and 'cuda:N' for each GPU, then
 def check_device(device, # 'cpu', 'cuda', 'cuda:N', 'mps', or a torch.device
                  arg:str='device', # the argument's name, for the message
                 ) -> torch.device:
-    "`device` as a torch.device if this machine has it; else a ValueError naming the devices it has (for a GPU: how to get one in Colab)."
+    "`device` as a torch.device if this machine has it; else a ValueError: the forms a device takes, or the devices the machine has (and, on one without a GPU, how to get one in Colab)."
     try: dev = torch.device(device)
     except (RuntimeError, TypeError): raise ValueError(f"{arg}={device!r} is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
     here = devices_here()
-    if dev.type == 'cpu' or str(dev) in here: return dev
-    colab = ' In Colab: Runtime > Change runtime type > a GPU, then run the notebook again.' if dev.type == 'cuda' else ''
+    if dev.type == 'cpu' or str(dev) in here or (dev.type == 'mps' and dev.index in (None, 0) and 'mps' in here): return dev
+    colab = (' In Colab: Runtime > Change runtime type > a GPU, then run the notebook again.'
+             if dev.type == 'cuda' and 'cuda' not in here else '')        # (a machine with GPUs was only asked for one it lacks)
     raise ValueError(f"{arg}={device!r}: this machine has no such device (it has {', '.join(here)}).{colab} Or pass {arg}='cpu'.")
 
 # %% ../nbs/06_training.ipynb #7076f657
