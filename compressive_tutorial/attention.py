@@ -245,6 +245,11 @@ class AttnResult(NamedTuple):
     k:Tensor            # (B, H, K, d_h) keys over [memory; window]
     v:Tensor            # (B, H, K, d_h) values over [memory; window]
 
+def _check_mem(h:Tensor, mem:Tensor|None):
+    "A clear error where a memory does not fit its window: `mem` must be (B, M, d) with the B and d of `h` (B, T, d)."
+    if mem is not None and (mem.dim() != 3 or mem.shape[0] != h.shape[0] or mem.shape[2] != h.shape[-1]):
+        raise ValueError(f"mem must be (B, M, d) = ({h.shape[0]}, M, {h.shape[-1]}) like the window h {tuple(h.shape)}, got {tuple(mem.shape)}.")
+
 class MultiHeadAttention(nn.Module):
     "Causal multi-head attention of a window over `[memory; window]`; subclasses change only the scores."
     def __init__(self,
@@ -305,6 +310,7 @@ class MultiHeadAttention(nn.Module):
         "Attend from the window over `[mem; h]`; return the output and the projections (q, keys, values over [mem; h])."
         B, T, d = h.shape
         if d != self.d_model: raise ValueError(f"h has width {d} but the layer was built with d_model={self.d_model}.")
+        _check_mem(h, mem)
         q = self.split_heads(self.q(h))                              # (B, H, T, d_h)
         k, v = self.project_kv(h)                                    # (B, H, T, d_h) the window's own keys and values
         if mem_kv is None and mem is not None: mem_kv = self.project_kv(mem.to(h.dtype))  # (B, H, M, d_h): no input grad

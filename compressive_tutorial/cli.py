@@ -205,8 +205,10 @@ def build_configs(kind:str='ct', # 'txl' or 'ct'
                 raise ConfigError(f"--set {name}: {name} belongs to the Compressive Transformer (CTConfig); a "
                                   f"Transformer-XL has none. Use --model ct, or drop it.")
             raise ConfigError(f"--set {name}: unknown field. Valid fields:\n{valid_fields(kind)}")
-        given[name] = parse_value(name, text.strip(), typing.get_type_hints(classes[owner[name]])[name])
-    if steps is not None: given['steps'] = steps
+        given[name] = parse_value(name, text.strip(), typing.get_type_hints(classes[owner[name]])[name])   # (a later item wins)
+    if steps is not None:
+        if given.get('steps', steps) != steps: raise ConfigError(f"--steps {steps} and --set steps={given['steps']} disagree: give one.")
+        given['steps'] = steps
     for name, v in given.items(): vals[owner[name]][name] = v
     if given.get('vocab_size', 256) != 256:
         raise ConfigError(f"vocab_size={given['vocab_size']}: every corpus of `ct` is byte-level (ByteTokenizer), so "
@@ -492,6 +494,10 @@ def run_from_args(args) -> Run:
         warnings.warn(f"{args.corpus!r} names the course's {args.corpus} corpus, not the {args.corpus} here: "
                       f"to train on that one, pass ./{args.corpus}")
     kind, preset = args.model or 'ct', args.preset or 'cpu-tiny'
+    for flag in ('device', 'precision'):                               # a flag and a --set item of one field: which was meant?
+        said = [s.partition('=')[2].strip() for s in args.sets if s.partition('=')[0].strip() == flag]
+        if getattr(args, flag) and said and said[-1] != getattr(args, flag):
+            raise ConfigError(f"--{flag} {getattr(args, flag)} and --set {flag}={said[-1]} disagree: give one.")
     sets = list(args.sets) + ([f'device={args.device}'] if args.device else []) + ([f'precision={args.precision}'] if args.precision else [])
     mcfg, tcfg, rcfg = build_configs(kind, preset, sets, args.steps)
     fixed = tuple(k for k in SCHEDULE if any(s.partition('=')[0].strip() == k for s in sets))

@@ -286,7 +286,8 @@ def load_enwik8(folder=None, # where the files are cached; None: `data_cache_dir
                 download:Callable=download_file, # see `get_enwik8`
                ) -> dict:
     "Enwik8 as byte-level `Corpus` splits {'train', 'valid', 'test'}: 90M/5M/5M by default."
-    if n_valid < 1 or n_test < 1 or n_valid + n_test >= size:
+    n_valid, n_test = check_int(n_valid, 'n_valid'), check_int(n_test, 'n_test')   # (before the download: a float would fail after it)
+    if n_valid + n_test >= size:
         raise ValueError(f'n_valid={n_valid} and n_test={n_test} must be >= 1 and leave training bytes out of {size:,}')
     data = np.fromfile(get_enwik8(folder, url=url, size=size, md5=md5, download=download), dtype=np.uint8)
     n_train = len(data) - n_valid - n_test

@@ -88,8 +88,7 @@ class DelayedNonMatchEnv(gym.Env):
         super().reset(seed=seed)
         rng, K = self.np_random, self.n_objects
         D = (options or {}).get('delay')
-        D = int(rng.integers(self.d_min, self.d_max + 1)) if D is None else int(D)
-        if D < 0: raise ValueError(f"options['delay']={D} must be >= 0.")
+        D = int(rng.integers(self.d_min, self.d_max + 1)) if D is None else check_int(D, "options['delay']", 0)   # (not truncated: 2.7 is refused)
         self._cue = int(rng.integers(1, K + 1))                                  # o, uniform over the K objects
         other = int(rng.integers(1, K)); other += other >= self._cue             # o' != o, uniform over the other K-1
         self._pair = (self._cue, other) if rng.random() < 0.5 else (other, self._cue)   # (left, right)
@@ -133,9 +132,11 @@ class DelayCurriculum:
                  threshold:float=0.8, # success rate over the last `min_episodes` episodes that moves it on
                  min_episodes:int=200 # episodes at the current range that the success rate is measured over
                 ):
+        d_min, d_start, d_final, step = (check_int(v, f'DelayCurriculum.{n}', lo) for v, n, lo in
+                                         ((d_min, 'd_min', 0), (d_start, 'd_start', 0), (d_final, 'd_final', 0), (step, 'step', 1)))
         if not d_min <= d_start <= d_final: raise ValueError(f"DelayCurriculum needs d_min <= d_start <= d_final, got {d_min}, {d_start}, {d_final}.")
-        if step < 1 or not 0 < threshold <= 1 or min_episodes < 1:
-            raise ValueError(f"step={step} must be >= 1, threshold={threshold} in (0, 1], min_episodes={min_episodes} >= 1.")
+        if not 0 < threshold <= 1: raise ValueError(f"DelayCurriculum.threshold={threshold} must be in (0, 1].")
+        min_episodes = check_int(min_episodes, 'DelayCurriculum.min_episodes')
         self.d_min, self.d_max, self.d_final, self.step = d_min, d_start, d_final, step
         self.threshold = threshold
         self.recent = deque(maxlen=min_episodes)            # outcomes of the latest episodes at the current range
@@ -270,7 +271,7 @@ def vtrace(behaviour_logp:Tensor, # (B, T) log mu(a_s|x_s): the actor's policy
 # %% ../nbs/12_rl.ipynb #c1d1aa69
 def _check_vtrace(behaviour_logp, target_logp, rewards, discounts, values, bootstrap_value, rho_bar, c_bar):
     "Shapes (B, T) and (B,), finite values, and rho_bar >= c_bar > 0, or a clear error."
-    if rewards.dim() != 2: raise ValueError(f"rewards must be (B, T), got shape {tuple(rewards.shape)}.")
+    if rewards.dim() != 2 or 0 in rewards.shape: raise ValueError(f"rewards must be (B, T) with B, T >= 1, got shape {tuple(rewards.shape)}.")
     for name, t in (('behaviour_logp', behaviour_logp), ('target_logp', target_logp), ('discounts', discounts), ('values', values)):
         if t.shape != rewards.shape: raise ValueError(f"{name} has shape {tuple(t.shape)}; every (B, T) input must match rewards {tuple(rewards.shape)}.")
     if bootstrap_value.shape != rewards.shape[:1]:

@@ -395,8 +395,12 @@ def code_entropy(tokens, # µ-law codes (any integer array)
                  n_classes:int=N_CLASSES # the number of codes
                 ) -> float: # bits per sample
     "Entropy of the code histogram in bits: the bits per sample of the best model that ignores context."
-    t = np.asarray(tokens, dtype=np.int64).ravel()                     # a numpy array or a (CPU) tensor
+    t = np.asarray(tokens).ravel()                                     # a numpy array or a (CPU) tensor
     if t.size == 0: raise ValueError("code_entropy needs at least one code: the clip or split is empty.")
+    if t.dtype == bool or not np.issubdtype(t.dtype, np.integer):        # a waveform by mistake would be truncated to 0s
+        raise ValueError(f"code_entropy takes integer µ-law codes, got {t.dtype}: pass mu_law_encode(wave) or clip_codes(path), not the waveform.")
+    if t.min() < 0 or t.max() >= n_classes:
+        raise ValueError(f"codes must lie in [0, n_classes={n_classes}), got {t.min()} .. {t.max()}: pass n_classes for another code range.")
     p = np.bincount(t, minlength=n_classes) / t.size
     p = p[p > 0]
     return float(-(p * np.log2(p)).sum())

@@ -248,11 +248,11 @@ def evaluate(model:nn.Module, # a model of the package's interface
     rank, world = dist_rank_world()
     shard = shard and world > 1
     was_training = model.training; model.eval()
-    nats, n_tok, state = 0.0, 0, None
+    nats, n_tok, state, cut = 0.0, 0, None, False
     wide = torch.float32 if dev.type == 'mps' else torch.float64                 # the sum's dtype (MPS has no float64)
     try:
         for i, b in enumerate(loader):
-            if max_batches is not None and i >= max_batches: break
+            if max_batches is not None and i >= max_batches: cut = True; break     # (more windows were there)
             if i == 0 and shard: shard = b[0].shape[0] % world == 0              # streams that do not split evenly: every rank reads all
             if shard: b = shard_batch(b, rank, world)                             # this rank's streams
             n = int((b.y != -100).sum())                                          # counted where the loader made it (no device sync)
@@ -265,6 +265,9 @@ def evaluate(model:nn.Module, # a model of the package's interface
     if shard: nats, n_tok = all_sum([nats, n_tok], dev); n_tok = int(n_tok)      # every rank gets the totals
     if n_tok == 0: raise ValueError("evaluate: the loader gave no target tokens (all -100, or no windows)")
     out = dict(loss=nats / n_tok, bpb=bits_per_byte(nats / n_tok), ppl=perplexity(nats / n_tok), tokens=n_tok, nats=nats)
+    if n_words is not None and cut:                                               # a part's nats over the whole text's words
+        raise ValueError(f"evaluate: n_words counts the words of the whole text, but max_batches={max_batches} read only part of "
+                         "it, so word_ppl would be too low: drop max_batches for word_ppl, or leave n_words out.")
     if n_words is not None: out['word_ppl'] = word_perplexity(nats, n_words)
     return out
 
@@ -759,7 +762,13 @@ class Trainer:
             raise ValueError(f"{path or 'the checkpoint'} was trained on other data than this train loader gives (fingerprint {fp}, "
                              f"the loader's {loader_fp}): resume with the loader it was trained on (the same corpus and split, "
                              "batch_size, n_s and tail), or start a new run in an empty folder")
-        check_model(meta, self.model, path or 'the checkpoint'); _set_weights(self.model, tensors, path or 'the checkpoint')
+        check_model(meta, self.model, path or 'the checkpoint')
+        cast = next(((k, v.dtype, tensors[f'model.{k}'].dtype) for k, v in self.model.state_dict().items()   # load_state_dict would
+                     if v.is_floating_point() and tensors.get(f'model.{k}', v).dtype != v.dtype), None)          # cast them quietly
+        if cast: raise CheckpointError(f"{path or 'the checkpoint'} was trained with {cast[2]} weights ({cast[0]}), but this model's are "
+                                       f"{cast[1]}: a resume goes on in the run's own dtype, so build the model and .to({cast[2]}) before "
+                                       "resuming (load_weights casts them, to evaluate)")
+        _set_weights(self.model, tensors, path or 'the checkpoint')
         for name, opt in (('opt', self.opt), ('copt', self.copt)):
             saved = name in meta['skeleton']
             if saved != (opt is not None):

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from .data import check_int
-from .attention import Linear, RelativeMultiHeadAttention, AttnResult, ATTN_IMPLS, weights_key, hooks_key, has_hooks, _uid, _func_transforms_active
+from .attention import Linear, RelativeMultiHeadAttention, AttnResult, ATTN_IMPLS, weights_key, hooks_key, has_hooks, _uid, _func_transforms_active, _check_mem
 
 # %% ../nbs/02_transformer_xl.ipynb #12ed011e
 @dataclass
@@ -181,6 +181,7 @@ class XLLayer(nn.Module):
                 first:Tensor|None=None # (B, T) bool: True where a step starts a new episode (notebook 01's per-query mask)
                ): # (B, T, d) the layer's output, or (output, probs) with return_probs, or an AttnResult with full
         "Post-LN (paper) or pre-LN layer over the window, attending to `mem` (or to its given keys/values `mem_kv`)."
+        _check_mem(h, mem)
         if mem is not None and mem_kv is None: mem_kv = self.project_memory(mem.to(h.dtype))  # (B, H, M, d_h) each
         r = self.attn(self.ln1(h) if self.pre_ln else h, None, mem_valid, return_probs, first, mem_kv, full=True)   # hooks on attn run
         a = r.out                                                     # (B, T, d)
@@ -231,10 +232,14 @@ def lm_loss(logits:Tensor, # (B, T, V)
 
 # %% ../nbs/02_transformer_xl.ipynb #cc515bf1
 def _outside_inference(obj):
-    "A copy of a state (dataclasses, lists, tuples of tensors) whose tensors made under `torch.inference_mode` are ordinary ones."
+    "A state (dataclasses, lists, tuples of tensors) whose tensors made under `torch.inference_mode` are ordinary ones: copies of those, the rest shared (`obj` itself where there are none)."
     if isinstance(obj, Tensor): return obj.clone() if obj.is_inference() else obj
-    if is_dataclass(obj): return replace(obj, **{f.name: _outside_inference(getattr(obj, f.name)) for f in fields(obj)})
-    if isinstance(obj, (list, tuple)): return type(obj)(_outside_inference(o) for o in obj)
+    if is_dataclass(obj):
+        new = {f.name: _outside_inference(getattr(obj, f.name)) for f in fields(obj)}
+        return obj if all(v is getattr(obj, k) for k, v in new.items()) else replace(obj, **new)
+    if isinstance(obj, (list, tuple)):
+        new = [_outside_inference(o) for o in obj]
+        return obj if all(a is b for a, b in zip(new, obj)) else type(obj)(new)
     return obj
 
 class TransformerXL(nn.Module):
@@ -326,6 +331,9 @@ class TransformerXL(nn.Module):
         d = self.cfg.d_model
         if x.dim() != 3 or x.shape[2] != d or x.shape[1] < 1 or not x.is_floating_point():
             raise ValueError(f"x must be a float (B, T, d_model={d}) tensor of input embeddings with T >= 1, got {tuple(x.shape)} {x.dtype}.")
+        w = self.emb.weight.dtype
+        if x.dtype != w and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(f"x is {x.dtype} but the model's weights are {w}: pass x.to({w}), or run the model under torch.autocast.")
         B, T, _ = x.shape
         if reset is not None and first is not None:
             raise ValueError("pass reset (B,) or first (B, T), not both: reset=r means first[:, 0] = r and no other start.")
@@ -359,8 +367,8 @@ class TransformerXL(nn.Module):
         if state.memories[0].mem.shape[-1] != self.cfg.d_model:
             raise ValueError(f"state holds memories of width {state.memories[0].mem.shape[-1]} but the model's d_model is "
                              f"{self.cfg.d_model}: it was made by another model; pass state=None or model.init_state({B}).")
-        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and state.memories[0].mem.is_inference():
-            state = _outside_inference(state)                              # made under inference_mode: autograd may not save those
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():   # any part made under inference_mode (a memory, an
+            state = _outside_inference(state)                              # open window stepped there): autograd may not save those
         if state.window is None: state = replace(state, window=self._empty(B, x.device))    # a state made without one
         if state.open_steps >= self.cfg.n_s:
             raise ValueError(f"state has an open window of {state.open_steps} steps but n_s={self.cfg.n_s}: it was made by another model.")
