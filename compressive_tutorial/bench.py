@@ -53,6 +53,9 @@ class BenchConfig:
         sizes = [(n, 1, None) for n in ('vocab_size', 'n_layers', 'd_model', 'n_heads', 'd_ff', 'n_s', 'c', 'batch_size', 'steps', 'reps')]
         for name, lo, none in sizes + [('n_m', 0, None), ('n_cm', 0, None), ('warmup', 0, 'just enough to fill the memories'), ('threads', 1, 'torch chooses')]:
             setattr(self, name, check_int(getattr(self, name), f'BenchConfig.{name}', lo, none=none))   # (numpy integers stored as ints)
+        if isinstance(self.impls, str) or not self.impls or not all(isinstance(n, str) for n in self.impls):
+            raise ValueError(f"BenchConfig.impls={self.impls!r}: give a tuple of one or more names, e.g. ('ours-ct', 'lucidrains-ct')")
+        self.impls = tuple(self.impls)                                  # (a list too)
         if self.dtype not in ('float32', 'bfloat16', 'float16'):
             raise ValueError(f"BenchConfig.dtype={self.dtype}: use float32, bfloat16 or float16")
         if not re.fullmatch(DEVICES, self.device):
@@ -95,6 +98,7 @@ def ct_flops_per_token(cfg:BenchConfig, # the sizes
                       ) -> float: # matmul FLOPs per token of our implementation (multiply-add = 2 FLOPs)
     "Model FLOPs per token from the sizes (formula in the notebook); what MFU is computed from."
     d, s, B, V, c = cfg.d_model, cfg.n_s, cfg.batch_size, cfg.vocab_size, cfg.c
+    if kind not in ('ct', 'txl'): raise ValueError(f"kind={kind!r}: use 'ct' or 'txl' (the formula is our implementation's)")
     ct = kind == 'ct' and cfg.n_cm > 0                    # (a CT without compressed memory computes what a TXL does)
     M = held_memory(cfg.n_m, cfg.n_cm, c) + cfg.n_cm      # keys in front of the window (a CT evicts whole blocks of c, so its memory
     K = M + s                                             # holds n_m rounded up to them; the TXL gets as many); keys per query
@@ -561,6 +565,7 @@ def profile_table(cfg:BenchConfig, # sizes and device
     "Where the time goes in a few steady-state windows of one implementation (torch.profiler, self time per op)."
     from torch.profiler import profile, ProfilerActivity
     if phase not in ('train', 'infer'): raise ValueError(f"phase={phase!r}: use 'train' or 'infer'")
+    steps, rows = check_int(steps, 'steps'), check_int(rows, 'rows')
     check_device(cfg.device, 'BenchConfig.device')
     if cfg.threads: torch.set_num_threads(cfg.threads)
     r = make_runner(cfg, impl)

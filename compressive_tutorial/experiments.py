@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 from .checkpoint import load_checkpoint, write_atomic
-from .data import Corpus, StreamLoader, check_int, encode_documents, load_books
+from .data import Corpus, StreamLoader, check_int, encode_documents, load_books, MAX_SEED
 from .xl import XLConfig
 from .model import CTConfig, build_model, held_memory, memory_summary, windows_per_call
 from .train import TrainConfig, Trainer, check_device, evaluate, hardware, seed_everything
@@ -132,6 +132,7 @@ def run(model_kind:str, # 'txl' (Transformer-XL) or 'ct' (Compressive Transforme
         if not isinstance(data[s], Corpus): raise TypeError(f"data[{s!r}] is a {type(data[s]).__name__}, not a Corpus: build one with encode_documents(docs) (notebook 00)")
     steps, batch_size, eval_windows, eval_batch_size = (check_int(v, k) for k, v in (('steps', steps), ('batch_size', batch_size),
                                                         ('eval_windows', eval_windows), ('eval_batch_size', eval_batch_size)))
+    seed = check_int(seed, 'seed', 0, hi=MAX_SEED)                                    # an int in the cache key and the results
     dev = check_device(device)                                                        # a device this machine lacks: refused first
     build_model(model_kind, cfg)                                                      # checks kind and config before any work
     unroll = windows_per_call(cfg)                                                    # §5.2: BPTT unrolls 2 windows, B/2 streams

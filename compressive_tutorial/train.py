@@ -24,7 +24,7 @@ from torch import Tensor
 from tqdm import tqdm
 from .data import word_perplexity
 from .attention import cpu_gemm, cpu_info, gemm_counts
-from .data import check_int
+from .data import check_int, MAX_SEED
 from .checkpoint import (   # built and tested in the appendix (notebook 90)
     flatten_tree, unflatten_tree, rng_state, set_rng_state, previous_checkpoint, save_checkpoint, load_checkpoint,
     model_meta, check_model, _set_weights, CheckpointError, NonFiniteError, TrainingInterrupted, StopSignals, RunFolderBusy, folder_lock)
@@ -846,6 +846,7 @@ def hardware(device=None, # where the run happens (None: CPU)
 def seed_everything(seed:int # one seed for python's `random`, numpy and torch
                    ):
     "Seed python's `random`, numpy and torch (CPU and CUDA)."
+    seed = check_int(seed, 'seed', 0, hi=MAX_SEED)                    # (numpy's ints too, e.g. a sweep's np.arange; numpy's range)
     random.seed(seed); np.random.seed(seed); torch.manual_seed(seed)
     if torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
 
