@@ -195,6 +195,7 @@ def autocast_for(device, # where the model runs
                  precision:str # 'bf16', 'fp16' or 'fp32' (from `choose_precision`)
                 ):
     "The autocast context of a precision: matrix products in bf16 or fp16; nothing for fp32."
+    if precision not in _LOW and precision != 'fp32': precision = choose_precision(device, precision)   # 'auto', or its error
     if precision == 'fp32': return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=_LOW[precision])
 
@@ -862,14 +863,28 @@ def top_k_filter(logits:Tensor, # (..., V)
 def top_p_filter(logits:Tensor, # (..., V)
                  p:float # nucleus mass, 0 < p <= 1
                 ) -> Tensor: # (..., V): -inf outside the nucleus
-    "Nucleus filter: keep the smallest set of most likely tokens whose probability adds up to at least p."
-    if not 0 < p <= 1: raise ValueError(f"top_p={p!r} must be in (0, 1] (or None for no nucleus filter)")
+    "Nucleus filter: keep the smallest set of most likely tokens whose probability adds up to at least p (and the ties of the least likely one kept)."
+    _check_top_p(p)
     if p == 1: return logits                                                    # every token (a float cumsum may reach 1 early)
     sorted_logits, order = logits.sort(dim=-1, descending=True)                 # (..., V)
-    probs = sorted_logits.softmax(-1)                                           # (..., V)
+    probs = sorted_logits.softmax(-1, dtype=torch.promote_types(logits.dtype, torch.float32))   # (a bf16 sum falls short of p)
     before = F.pad(probs.cumsum(-1), (1, 0))[..., :-1]                          # mass of the strictly more likely tokens
-    drop = (before >= p).scatter(-1, order, before >= p)                        # (..., V) back in vocabulary order
-    return logits.masked_fill(drop, float('-inf'))
+    last = sorted_logits.masked_fill(before >= p, float('inf')).amin(-1, keepdim=True)   # (..., 1) the least likely kept logit
+    return logits.masked_fill(logits < last, float('-inf'))                     # its ties stay, whatever their ids
+
+def _check_top_p(p):
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
+        raise ValueError(f"top_p={p!r} must be a number in (0, 1] (or None for no nucleus filter)")
+
+def _check_sampling(temperature, top_k, top_p):
+    "The sampling settings, checked before any token is drawn (greedy too)."
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0 or math.isinf(temperature):
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 means greedy)")
+    if top_k is not None: check_int(top_k, 'top_k', hint=' (None in `sample`: no top-k)')
+    if top_p is not None: _check_top_p(top_p)
+
+_NOT_FINITE = ("the model's logits are not finite (a diverged model, or a precision whose range its activations exceed): no "
+               "temperature can sample from them")
 
 def sample_next(logits:Tensor, # (B, V) next-token logits
                 temperature:float=1.0, # 0: greedy argmax
@@ -877,8 +892,11 @@ def sample_next(logits:Tensor, # (B, V) next-token logits
                 generator:torch.Generator|None=None # a seeded generator; on another device than the logits (a CPU one for a CUDA model) the draw happens on its device
                ) -> Tensor: # (B,) token ids
     "Draw one token per row: temperature, then top-k, then nucleus."
-    if not temperature >= 0 or math.isinf(temperature): raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0 means greedy)")
-    if temperature == 0: return logits.argmax(-1)
+    _check_sampling(temperature, top_k, top_p)
+    bad = lambda lg: bool(lg.isnan().any() or (lg == float('inf')).any() or (lg == float('-inf')).all(-1).any())   # (-inf alone: masked)
+    if temperature == 0:
+        if bad(logits): raise ValueError(_NOT_FINITE)                          # argmax would pick a NaN
+        return logits.argmax(-1)
     given, logits = logits, logits.float() / temperature
     if top_k is not None: logits = top_k_filter(logits, top_k)
     if top_p is not None: logits = top_p_filter(logits, top_p)
@@ -887,9 +905,7 @@ def sample_next(logits:Tensor, # (B, V) next-token logits
     try: return torch.multinomial(at, 1, generator=generator).squeeze(-1).to(probs.device)   # (B,)
     except RuntimeError:
         if bool(torch.isfinite(probs).all()): raise
-        if bool(given.isnan().any() or (given == float('inf')).any() or (given == float('-inf')).all(-1).any()):   # (-inf alone: masked)
-            raise ValueError("the model's logits are not finite (a diverged model, or a precision whose range its activations "
-                             "exceed): no temperature can sample from them") from None
+        if bad(given): raise ValueError(_NOT_FINITE) from None
         raise ValueError(f"temperature={temperature:g} is too small for these logits: divided by it they overflow float32, "
                          "so the probabilities are not finite; use a larger temperature, or 0 for greedy") from None
 
@@ -906,6 +922,10 @@ def sample(model:nn.Module, # a model of the package's interface
           ) -> Tensor: # (n,) or (B, n) the generated ids
     "Continue a prompt with memory: the prompt a window at a time (the model commits its windows), then one call per new token."
     n = check_int(n, 'sample: n', 0, ' (tokens to generate)')
+    _check_sampling(temperature, top_k, top_p)                                  # (before the prompt is read)
+    if not torch.is_tensor(prompt_ids) or prompt_ids.dim() not in (1, 2):
+        raise TypeError(f"sample: prompt_ids must be a (T,) or (B, T) tensor of token ids, got "
+                        f"{tuple(prompt_ids.shape) if torch.is_tensor(prompt_ids) else type(prompt_ids).__name__}: e.g. torch.tensor(tok.encode(text))")
     ids = prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids           # (B, T)
     if ids.shape[1] < 1: raise ValueError("sample: the prompt needs at least one token")
     dev = next(model.parameters()).device
