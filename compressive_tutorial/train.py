@@ -856,7 +856,7 @@ def top_k_filter(logits:Tensor, # (..., V)
                  k:int # tokens to keep
                 ) -> Tensor: # (..., V): -inf outside the k largest (ties with the k-th are kept)
     "Keep the k most likely tokens."
-    k = check_int(k, 'top_k', hint=' (None in `sample`: no top-k)')
+    k = _check_top_k(k)
     kth = logits.topk(min(k, logits.shape[-1]), dim=-1).values[..., -1:]       # (..., 1) the k-th largest logit
     return logits.masked_fill(logits < kth, float('-inf'))
 
@@ -872,7 +872,10 @@ def top_p_filter(logits:Tensor, # (..., V)
     last = sorted_logits.masked_fill(before >= p, float('inf')).amin(-1, keepdim=True)   # (..., 1) the least likely kept logit
     return logits.masked_fill(logits < last, float('-inf'))                     # its ties stay, whatever their ids
 
+def _check_top_k(k) -> int: return check_int(k, 'top_k', hint=' (None in `sample`: no top-k)')
+
 def _check_top_p(p):
+    "p a number in (0, 1], or the error that says so."
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
         raise ValueError(f"top_p={p!r} must be a number in (0, 1] (or None for no nucleus filter)")
 
@@ -880,7 +883,7 @@ def _check_sampling(temperature, top_k, top_p):
     "The sampling settings, checked before any token is drawn (greedy too)."
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0 or math.isinf(temperature):
         raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 means greedy)")
-    if top_k is not None: check_int(top_k, 'top_k', hint=' (None in `sample`: no top-k)')
+    if top_k is not None: _check_top_k(top_k)
     if top_p is not None: _check_top_p(top_p)
 
 _NOT_FINITE = ("the model's logits are not finite (a diverged model, or a precision whose range its activations exceed): no "
