@@ -4,6 +4,7 @@
     python .ci/gpu_cells.py run nbs/09_books_char.ipynb --out $OUT/09_books_char.ipynb   # on the GPU machine
     python .ci/gpu_cells.py run nbs/09_books_char.ipynb --cells 7c21237b 7c21237c ...   # only these flagged cells
     python .ci/gpu_cells.py merge RETURNED.ipynb nbs/09_books_char.ipynb                  # here, then nbdev_clean
+    python .ci/gpu_cells.py dry nbs/11_speech.ipynb --out /tmp/dry/11_speech.ipynb        # here, before a lease
 
 `run` executes the notebook the way `nbdev_test --flags gpu` does (from the notebook's folder, every code cell except
 those flagged with another of settings.ini's `tst_flags` or `#| eval: false`, stopping at the first error), with
@@ -16,8 +17,13 @@ returns what finished, and running it again re-runs only what a cell does not fi
 one, matching cells by id, each cell on its own: it leaves as they were a cell whose source changed here since the run
 and a cell that ended in an error (and says so), and refuses a run that found no CUDA device. The other cells keep their committed
 outputs (which come from the runs their text describes). See .ci/GPU.md for the whole session.
+
+`dry` runs a notebook's gpu cells on this CPU at toy sizes, before a lease: a copy of the notebook with the substitutions of
+`SHRINK` (each must still match exactly as often as it says, or the table is out of date and `dry` says which line), run
+as `run` runs it, its runs kept in a temporary folder. It catches what would stop a cell on the GPU machine (a NameError,
+a wrong argument, a crash in a plot) in a minute, not the results.
 """
-import argparse, ast, json, os, re, sys, time
+import argparse, ast, json, os, re, sys, tempfile, time
 from pathlib import Path
 
 RAN = 'ct_gpu_ran'   # cell metadata `run` sets on each cell it executed: `merge` takes outputs only from those (the others hold
@@ -163,6 +169,69 @@ def merge(returned:Path, target:Path, flags:set, allow_cpu:bool=False) -> int:
     return 1 if failed or changed else 0
 
 
+# notebook -> (environment, [(code, toy code, how often the code occurs in the notebook)]): its gpu cells, and the cells
+# they need, at sizes that run in a minute or two on a 2-core CPU. Notebook 15's gpu cells do nothing without CUDA.
+SHRINK = {
+    '09_books_char': ({'CT_GPU_STEPS': '8'}, [
+        ("dict(d_model=512, n_heads=8, n_layers=8, d_ff=2048, n_s=512, dropout=0.1)", "dict(d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=32, dropout=0.1)", 1),
+        ("equal_cost_pair(512,", "equal_cost_pair(64,", 2),
+        ("batch_size=16, eval_windows=32, eval_batch_size=16, device='cuda'", "batch_size=2, eval_windows=4, eval_batch_size=2, device='cpu'", 1),
+        ("StreamLoader(gpu_data['valid'], 16, gpu_ct_cfg.n_s)", "StreamLoader(gpu_data['valid'], 2, gpu_ct_cfg.n_s)", 1),
+        ("n_windows=32)", "n_windows=8)", 2),
+        ("[0, 128, 256, 512, 1024], max_batches=32", "[0, 32, 64], max_batches=8", 1)]),
+    '11_speech': ({}, [
+        ("GPU_STEPS = 2_000", "GPU_STEPS = 12", 1),
+        ("dict(d_model=512, n_heads=8, n_layers=8, d_ff=2048, n_s=768)", "dict(d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=48)", 1),
+        ("equal_cost_pair(1536,", "equal_cost_pair(96,", 1),
+        ("WaveNetConfig(d_res=352, d_skip=704, d_out=1024, kernel_size=2, n_layers=30, dilation_cycle=10)",
+         "WaveNetConfig(d_res=16, d_skip=32, d_out=64, kernel_size=2, n_layers=4, dilation_cycle=2)", 1),
+        ("chunk=3840, eval_every=250, eval_streams=16, eval_chunks=8", "chunk=480, eval_every=5, eval_streams=2, eval_chunks=2", 1),
+        ("            device='cuda',\n", "            device='cpu',\n", 1),
+        ("(768, 768, 1536, 3070))", "(48, 48, 96, 7))", 1),                   # the sizes' own test, at the toy sizes
+        ("assert abs(G['wavenet']['params'] / G['txl']['params'] - 1) < 0.05, G", "", 1),   # (a toy WaveNet is not the TXL's size)
+        ("StreamLoader(gpu_data['valid'], 8, GPU_CONFIGS['ct'].n_s)", "StreamLoader(gpu_data['valid'], 2, GPU_CONFIGS['ct'].n_s)", 1),
+        ("StreamLoader(gpu_data['test'], 16, 3840)", "StreamLoader(gpu_data['test'], 2, 480)", 1),
+        ("max_batches=8, n_cm=0", "max_batches=2, n_cm=0", 1),
+        ("generate(gpu[k]['model'], 1.0, seed=0)", "generate(gpu[k]['model'], 0.01, seed=0)", 1),
+        ("on {hardware('cuda')}", "on {hardware('cpu')}", 1)]),
+    '13_enwik8': ({'CT_PRESET': 'tiny', 'CT_CORPUS': 'books', 'CT_STEPS': '10'}, [   # the cells take the preset's device
+        ("evaluate_protocol(gpu_trainer.model, gpu_preset, gpu_data)", "evaluate_protocol(gpu_trainer.model, gpu_preset, gpu_data, valid_batches=4, test_batches=4)", 1)]),
+    '14_books_subword': ({}, [
+        ("VOCAB = 16_000", "VOCAB = 512", 1),
+        ("GPU_STEPS = 4_000", "GPU_STEPS = 8", 1),
+        ("d_model=512, n_heads=8, n_layers=8, d_ff=2048, n_s=512, dropout=0.1)", "d_model=32, n_heads=2, n_layers=2, d_ff=64, n_s=32, dropout=0.1)", 1),
+        ("equal_cost_pair(1024, c=2,", "equal_cost_pair(64, c=2,", 1),
+        ("max_lines=200_000", "max_lines=20_000", 1),
+        ("device='cuda'", "device='cpu'", 2)]),
+}
+
+
+def shrunk(nb:dict, name:str) -> dict:
+    "`nb` (a notebook's json) with `SHRINK[name]`'s substitutions made in its code cells; refused if one no longer matches as often as it says."
+    if name not in SHRINK: raise SystemExit(f"no toy sizes for {name} in SHRINK ({', '.join(SHRINK)}): add its substitutions to .ci/gpu_cells.py")
+    cells = [c for c in nb['cells'] if c['cell_type'] == 'code']
+    for old, new, n in SHRINK[name][1]:
+        found = sum(src(c).count(old) for c in cells)
+        if found != n: raise SystemExit(f"SHRINK[{name!r}]: {old!r} occurs {found} time(s) in the notebook, not {n}: the notebook changed; "
+                                        "update the substitution in .ci/gpu_cells.py")
+        for c in cells: c['source'] = src(c).replace(old, new)
+    return nb
+
+
+def dry(nb_path:Path, out:Path, cells:list|None=None) -> int:
+    "Run the gpu cells (only `cells`, if given) of a toy copy of the notebook (`shrunk`) on this machine; its runs go to a temporary folder."
+    nb_path = Path(nb_path).resolve()                            # (`run` moves into its folder)
+    env, _ = SHRINK.get(nb_path.stem, ({}, None))
+    nb = shrunk(json.loads(nb_path.read_text()), nb_path.stem)
+    copy = nb_path.with_name(f'_dry_{nb_path.name}')             # beside it: the notebook's relative paths hold (ignored by git, nbdev)
+    saved = dict(os.environ)
+    with tempfile.TemporaryDirectory() as runs:
+        os.environ.update({'CT_CACHE_DIR': runs, 'CT_RUNS_DIR': runs, **env})   # (the data: the shared folder, as on the GPU machine)
+        copy.write_text(json.dumps(nb))
+        try: return run(copy, out, {'gpu'}, cells)
+        finally: copy.unlink(); os.environ.clear(); os.environ.update(saved)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest='cmd', required=True)
@@ -173,7 +242,11 @@ def main(argv=None) -> int:
     m.add_argument('returned', type=Path); m.add_argument('target', type=Path)
     m.add_argument('--allow-cpu', action='store_true', help="take gpu cells' outputs from a run that found no CUDA device (tests)")
     for p in (r, m): p.add_argument('--flags', default='gpu', help='space-separated flags to run (default: gpu)')
+    d = sub.add_parser('dry', help="run a notebook's gpu cells at toy sizes on this machine (SHRINK), before a lease")
+    d.add_argument('notebook', type=Path); d.add_argument('--out', type=Path, required=True)
+    d.add_argument('--cells', nargs='+', metavar='ID', help='run only these gpu cells (cell ids); the unflagged ones all run')
     a = ap.parse_args(argv)
+    if a.cmd == 'dry': return dry(a.notebook, a.out, a.cells)
     flags = set(a.flags.split())
     if unknown := flags - tst_flags(): ap.error(f"--flags {' '.join(sorted(unknown))}: not in settings.ini's tst_flags {sorted(tst_flags())}")
     return run(a.notebook, a.out, flags, a.cells) if a.cmd == 'run' else merge(a.returned, a.target, flags, a.allow_cpu)

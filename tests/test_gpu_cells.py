@@ -1,6 +1,6 @@
 """The runner of `#| gpu` cells for machines without nbdev (.ci/gpu_cells.py): it runs what `nbdev_test --flags gpu`
 runs and keeps the outputs, and `merge` brings back the flagged cells' outputs and nothing else."""
-import importlib.util, json
+import importlib.util, json, os
 from pathlib import Path
 import pytest
 
@@ -136,6 +136,31 @@ def test_repo_gpu_cells_stand_alone():
     "Every notebook's gpu cells need only cells that run beside them (not `#| slow` ones): a GPU session is too short to find out there."
     for p in sorted((ROOT / 'nbs').glob('[0-9]*.ipynb')):
         assert gc.standalone_problems(json.loads(p.read_text())) == [], p.name
+
+
+def test_repo_shrink_tables_match_the_notebooks():
+    "`dry`'s toy sizes still apply to every notebook whose gpu cells run without CUDA: a stale table fails here, not before a lease."
+    for p in sorted((ROOT / 'nbs').glob('[0-9]*.ipynb')):
+        nb = json.loads(p.read_text())
+        if not any(gc.flagged(c, {'gpu'}) for c in nb['cells']) or p.stem == '15_performance': continue   # (15's need CUDA)
+        toy = gc.shrunk(json.loads(p.read_text()), p.stem)     # each substitution found as often as it says
+        assert [gc.src(c) for c in toy['cells']] != [gc.src(c) for c in nb['cells']], p.name
+
+
+def test_dry_runs_a_toy_copy(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    nb = notebook(tmp_path / 'toy.ipynb', 'import os\nSTEPS = 5_000', '#| gpu\nprint(STEPS, os.environ["CT_RUNS_DIR"] != "", os.environ["X"])')
+    monkeypatch.setitem(gc.SHRINK, 'toy', ({'X': 'x'}, [('STEPS = 5_000', 'STEPS = 3', 1)]))
+    monkeypatch.delenv('X', raising=False)
+    out = tmp_path / 'out.ipynb'
+    assert gc.main(['dry', str(nb), '--out', str(out)]) == 0
+    assert outputs(out) == ['', '3 True x\n']                  # the toy size, a runs folder of its own, the table's environment
+    assert 'X' not in os.environ and sorted(q.name for q in tmp_path.iterdir()) == ['out.ipynb', 'toy.ipynb']   # nothing left behind
+    assert outputs(nb) == ['', '']                              # the notebook itself untouched
+    monkeypatch.setitem(gc.SHRINK, 'toy', ({}, [('STEPS = 5_000', 'STEPS = 3', 2)]))
+    with pytest.raises(SystemExit, match=r"SHRINK\['toy'\]: 'STEPS = 5_000' occurs 1 time\(s\) in the notebook, not 2: the notebook changed"):
+        gc.main(['dry', str(nb), '--out', str(out)])
+    with pytest.raises(SystemExit, match='no toy sizes for other in SHRINK'): gc.main(['dry', str(notebook(tmp_path / 'other.ipynb', 'x = 1')), '--out', str(out)])
 
 
 def test_gpu_steps_sizes_the_runs_from_the_benchmark(tmp_path):
