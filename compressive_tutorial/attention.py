@@ -245,8 +245,10 @@ class AttnResult(NamedTuple):
     k:Tensor            # (B, H, K, d_h) keys over [memory; window]
     v:Tensor            # (B, H, K, d_h) values over [memory; window]
 
-def _check_mem(h:Tensor, mem:Tensor|None):
-    "A clear error where a memory does not fit its window: `mem` must be (B, M, d) with the B and d of `h` (B, T, d)."
+def _check_mem(h:Tensor, mem:Tensor|None, d_model:int):
+    "A clear error where the window `h` is not (B, T, d_model), or a memory does not fit it: `mem` must be (B, M, d) with h's B and d."
+    if h.dim() != 3: raise ValueError(f"h must be (B, T, d), got {tuple(h.shape)}.")   # the window first: a wrong h is not the memory's fault
+    if h.shape[-1] != d_model: raise ValueError(f"h has width {h.shape[-1]} but the layer was built with d_model={d_model}.")
     if mem is not None and (mem.dim() != 3 or mem.shape[0] != h.shape[0] or mem.shape[2] != h.shape[-1]):
         raise ValueError(f"mem must be (B, M, d) = ({h.shape[0]}, M, {h.shape[-1]}) like the window h {tuple(h.shape)}, got {tuple(mem.shape)}.")
 
@@ -308,9 +310,8 @@ class MultiHeadAttention(nn.Module):
                      first:Tensor|None=None # (B, T) bool, True where a query starts a new episode (see `attention_mask`)
                     ) -> AttnResult:
         "Attend from the window over `[mem; h]`; return the output and the projections (q, keys, values over [mem; h])."
+        _check_mem(h, mem, self.d_model)
         B, T, d = h.shape
-        if d != self.d_model: raise ValueError(f"h has width {d} but the layer was built with d_model={self.d_model}.")
-        _check_mem(h, mem)
         q = self.split_heads(self.q(h))                              # (B, H, T, d_h)
         k, v = self.project_kv(h)                                    # (B, H, T, d_h) the window's own keys and values
         if mem_kv is None and mem is not None: mem_kv = self.project_kv(mem.to(h.dtype))  # (B, H, M, d_h): no input grad

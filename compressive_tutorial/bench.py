@@ -146,6 +146,7 @@ class OursRunner(Runner):
                 'no-trees': ('-cudagraphs-notrees', {'options': {'triton.cudagraphs': True, 'triton.cudagraph_trees': False}})}   # a pool each
     def __init__(self, cfg:BenchConfig, kind:str='ct', compiled:bool|str=False, aux:bool=True, name:str|None=None, gemm:str|None=None, **model_kw):
         "compiled: False (eager) or a key of `COMPILED`: True (torch.compile's default mode), 'reduce-overhead' or 'no-trees' (CUDA graphs, on CUDA); name: for the tables (default: from kind, compiled, aux and gemm); gemm: the CPU GEMM library of its steps (`set_cpu_gemm`; None: the process's choice); model_kw: config fields, e.g. attn_impl"
+        if kind not in ('ct', 'txl'): raise ValueError(f"OursRunner(kind={kind!r}): use 'ct' or 'txl'")
         if compiled and compiled not in self.COMPILED: raise ValueError(f"compiled={compiled!r} is unknown: use False or one of {list(self.COMPILED)}")
         suffix, compile_kw = self.COMPILED[compiled] if compiled else ('', {})
         self.cfg, self.kind, self.graphs = cfg, kind, suffix.startswith('-cudagraphs')

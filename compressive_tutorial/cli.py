@@ -288,6 +288,7 @@ def load_corpus(corpus:str, # 'enwik8', 'books', a folder of .txt books, or a .t
     "The three byte-level splits of a corpus, each a Corpus with its document starts."
     if corpus == 'enwik8': return load_enwik8(cache, download=download, **enwik8_kw)
     if enwik8_kw: raise TypeError(f"{sorted(enwik8_kw)} are arguments of load_enwik8: pass them only with corpus='enwik8'")
+    if cache is not None: raise ValueError(f"cache {str(cache)!r} (--cache) is where Enwik8 is downloaded; the corpus {corpus!r} does not use it: leave it out")
     if corpus == 'books': path, docs = 'the books', load_books(books_folder(download))   # shared, else fetched (notebook 00)
     else:
         path = Path(corpus).expanduser()
@@ -335,6 +336,7 @@ class Run:
         "Read a run folder written by `ct train`."
         path = Path(path)
         f = path/'config.json'
+        if not path.exists(): raise FileNotFoundError(f"{path} does not exist: pass the --out folder of a `ct train` run")
         if not f.is_file(): raise FileNotFoundError(f"{path} is not a run folder (it has no config.json): pass the --out folder of a `ct train` run")
         try:
             js = json.loads(f.read_text())
@@ -361,6 +363,9 @@ class Run:
 
     def load_data(self, download=download_file, cache=None) -> dict: # {split: Corpus}
         "The run's corpus (`load_corpus`), refused if it is not what the run started with (`check_data`). A run on one .txt file started before `load_corpus` removed Project Gutenberg boilerplate (2026-11-28) goes on with the whole file, as it started."
+        if self.corpus not in ('enwik8', 'books') and not Path(self.corpus).expanduser().exists():   # a path the user did not type now
+            raise FileNotFoundError(f"the corpus this run was trained on, {self.corpus} (recorded in {self.path/'config.json'}), is gone: "
+                                    "put it back at that path")
         corpora = load_corpus(self.corpus, download=download, cache=cache)
         key = lambda c: json.loads(json.dumps(_data_key(c)))              # as config.json holds it
         one_file = self.corpus not in ('enwik8', 'books') and Path(self.corpus).is_file()
@@ -463,6 +468,7 @@ def run_from_args(args) -> Run:
             try: run.run = dataclasses.replace(run.run, device=args.device)
             except ValueError as e: raise ConfigError(f"--device {args.device}: {e}") from None
         if args.precision: run.train = dataclasses.replace(run.train, precision=args.precision)   # e.g. fp32 where fp16 overflowed
+        if args.no_progress: run.train = dataclasses.replace(run.train, progress=False)         # (what is printed, not what is trained)
         if args.model not in (None, run.kind): raise ConfigError(f"--model {args.model}: the run in {_q(out)} is a {run.kind} model")
         if args.corpus is not None and corpus_spec(args.corpus) != run.corpus:
             raise ConfigError(f"{_q(out)} was trained on {_q(run.corpus)}, not {_q(corpus_spec(args.corpus))}: drop CORPUS or pass the same one")
@@ -499,6 +505,7 @@ def run_from_args(args) -> Run:
         if getattr(args, flag) and said and said[-1] != getattr(args, flag):
             raise ConfigError(f"--{flag} {getattr(args, flag)} and --set {flag}={said[-1]} disagree: give one.")
     sets = list(args.sets) + ([f'device={args.device}'] if args.device else []) + ([f'precision={args.precision}'] if args.precision else [])
+    sets += ['progress=false'] if args.no_progress else []
     mcfg, tcfg, rcfg = build_configs(kind, preset, sets, args.steps)
     fixed = tuple(k for k in SCHEDULE if any(s.partition('=')[0].strip() == k for s in sets))
     out = out or Path('runs')/f'{corpus_name(args.corpus)}-{kind}-{preset}'
@@ -668,7 +675,8 @@ DEMO_PLOT = 'runs/demo/long_range_recall.png'                       # beside the
 def _demo_arguments(p:argparse.ArgumentParser):
     p.add_argument('--quick', action='store_true', help=f"a short run: {QUICK_DEMO['steps']} windows per model, {len(QUICK_DEMO['distances'])} distances")
     p.add_argument('--steps', type=_int_at_least(1), help='training windows per model (default: the full demo)')
-    p.add_argument('--distances', type=_int_at_least(0), nargs='+', metavar='D', help='the cue distances D to evaluate')
+    p.add_argument('--distances', type=_int_at_least(0), nargs='+', metavar='D', help='the cue distances D to evaluate (default: the full demo\'s '
+                   + (lambda d: f"{len(d)}, {d[0]} to {d[-1]})")(RecallConfig.__dataclass_fields__['distances'].default))
     p.add_argument('--set', dest='sets', nargs='+', action='extend', default=[], metavar='FIELD=VALUE',
                    help='any other field of RecallConfig (notebook 08), e.g. --set seed=1 batch_size=16')
     p.add_argument('--plot', default=DEMO_PLOT, metavar='PATH', help=f"where the plot goes (default {DEMO_PLOT}; none: no plot)")
@@ -678,16 +686,20 @@ def _demo_arguments(p:argparse.ArgumentParser):
 
 def demo_config(args):
     "The RecallConfig of `ct demo`: the full demo, or --quick, with --steps, --distances and --set on top; validated now."
-    over = dict(QUICK_DEMO) if args.quick else {}
+    over, said = dict(QUICK_DEMO) if args.quick else {}, {}
     hints = typing.get_type_hints(RecallConfig)
     for item in args.sets:
         name, eq, text = item.partition('=')
         name = name.strip()
         if not eq or name not in hints:
             raise ConfigError(f"--set {item!r}: expected FIELD=VALUE with a field of RecallConfig: {', '.join(hints)}")
-        over[name] = parse_value(name, text.strip(), hints[name])
-    if args.steps is not None: over['steps'] = args.steps
-    if args.distances: over['distances'] = tuple(args.distances)
+        over[name] = said[name] = parse_value(name, text.strip(), hints[name])
+    for flag, value in (('steps', args.steps), ('distances', tuple(args.distances) if args.distances else None)):
+        if value is None: continue
+        if flag in said and said[flag] != value:                         # a flag and a --set item of one field: which was meant?
+            raise ConfigError(f"--{flag} {' '.join(map(str, value)) if flag == 'distances' else value} and --set {flag}="
+                              f"{','.join(map(str, said[flag])) if flag == 'distances' else said[flag]} disagree: give one.")
+        over[flag] = value
     try:
         cfg = RecallConfig(**over)
         recall_models(cfg)                                             # the model configs validate too (e.g. c must divide n_s)
@@ -815,14 +827,15 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument('--steps', type=_int_at_least(1), help='iterations to train in total; the schedule stretches with it (with --resume too)')
     t.add_argument('--out', metavar='DIR', help='the run folder (default runs/CORPUS-MODEL-PRESET); one run at a time may use it')
     t.add_argument('--resume', action='store_true', help="continue the run in --out exactly where its checkpoint stopped (Ctrl-C or SIGTERM writes one and prints this command)")
-    t.add_argument('--device', help="'auto', 'cpu', 'cuda', 'cuda:N' or 'mps' (the same as --set device=...; with --resume, the device to go on with)")
+    t.add_argument('--device', help="'auto', 'cpu', 'cuda', 'cuda:N' or 'mps' (default auto: CUDA where there is one; the same as --set device=...; with --resume, the device to go on with)")
     t.add_argument('--precision', choices=PRECISIONS, help="the same as --set precision=...; with --resume, the precision to go on with (e.g. fp32 where fp16 overflowed)")
     t.add_argument('--cache', metavar='DIR', help="where Enwik8 is cached (default data/ at the repo root, or $CT_CACHE_DIR)")
+    t.add_argument('--no-progress', action='store_true', help='no progress bar (the same as --set progress=false; with --resume too)')
     t.set_defaults(func=train_command)
 
     e = sub.add_parser('eval', help='bits per byte of a trained run, optionally with longer memories', description=eval_command.__doc__)
     e.add_argument('run_dir', metavar='RUN_DIR', help='the --out folder of a `ct train` run')
-    e.add_argument('--split', choices=['valid', 'test'], default='valid')
+    e.add_argument('--split', choices=['valid', 'test'], default='valid', help='the split to score (default valid; test once, at the end)')
     e.add_argument('--n_m', type=_int_at_least(0), help='memory length for this evaluation (default: as trained)')
     e.add_argument('--n_cm', type=_int_at_least(0), help='compressed memory length (Compressive Transformer runs; default: as trained)')
     e.add_argument('--batches', type=_int_at_least(1), help='evaluate only the first N windows (default: the whole split)')
@@ -837,9 +850,9 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument('--prompt', required=True, help='the text to continue')
     s.add_argument('--n', type=_int_at_least(0), default=200, help='bytes to generate (default 200)')
     s.add_argument('--temperature', type=_float_in(0, math.inf), default=1.0, help='0 is greedy (default 1.0)')
-    s.add_argument('--top-k', type=_int_at_least(1), help='keep the k most likely bytes')
-    s.add_argument('--top-p', type=_float_in(0, 1, lo_open=True), help='nucleus sampling mass (the paper: 0.98)')
-    s.add_argument('--seed', type=_int_at_least(0, MAX_TORCH_SEED), default=0, help='the same seed gives the same sample')
+    s.add_argument('--top-k', type=_int_at_least(1), help='keep the k most likely bytes (default: all)')
+    s.add_argument('--top-p', type=_float_in(0, 1, lo_open=True), help='nucleus sampling mass (the paper: 0.98; default: off)')
+    s.add_argument('--seed', type=_int_at_least(0, MAX_TORCH_SEED), default=0, help='the same seed gives the same sample (default 0)')
     s.add_argument('--device', help="default: the run's device setting")
     s.add_argument('--precision', choices=PRECISIONS, help="default: the run's precision setting (e.g. fp16 on a T4 for a run trained in bf16)")
     s.set_defaults(func=sample_command)

@@ -892,7 +892,8 @@ def fetch_books(folder=None, # where the books go; None: `data_cache_dir()/'book
                 except Exception as e:
                     raise FileNotFoundError(
                         f"could not fetch {r[0]} ({r[1]}) from {src.get('url') or r[4]} ({type(e).__name__}: {e}). On a machine "
-                        f"with internet, call again; or put the file at {folder/r[0]} by hand (size {r[6]:,}, sha256 {r[7]}).") from e
+                        f"with internet, call again; or put the file at {folder/r[0]} by hand (size {r[6]:,}, sha256 {r[7]}); or, where a copy of "
+                        f"the shared data is, set CT_DATA_DIR to the folder that holds its books/.") from e
                 n, got = part.stat().st_size, sha256_file(part)             # what the source served (the scratch file goes with the folder)
                 if (n, got) != (r[6], r[7]):
                     raise ValueError(f"{src.get('url') or r[4]} served {n:,} bytes with sha256 {got}, but {r[0]} ({r[1]}) has {r[6]:,} "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, asdict, replace
 from pathlib import Path
 import numpy as np
 import torch
-from .data import ENWIK8_URL, Batch, StreamLoader, check_int, data_cache_dir, fixture_download
+from .data import ENWIK8_URL, MAX_SEED, Batch, StreamLoader, check_int, data_cache_dir, fixture_download
 from .checkpoint import IMPL_FIELDS, write_atomic
 from .model import CTConfig, build_model, windows_per_call
 from .train import TrainConfig, Trainer, all_sum, check_device, devices_here, dist_rank_world, evaluate, hardware, seed_everything
@@ -57,6 +57,7 @@ class Enwik8Preset:
     def __post_init__(self):
         object.__setattr__(self, 'ckpt_every', check_int(self.ckpt_every, 'Enwik8Preset.ckpt_every', hint=': `train_protocol` trains in chunks of ckpt_every '   # (TrainConfig's 0,
                                     'iterations and checkpoints after each'))                                                    # "by time only", is not a chunk)
+        object.__setattr__(self, 'seed', check_int(self.seed, 'Enwik8Preset.seed', 0, hi=MAX_SEED))   # an int in the run's config.json
 
     def model_config(self) -> CTConfig:
         "The Compressive Transformer of this preset: conv f_c trained by the attention-reconstruction loss."
@@ -94,7 +95,7 @@ GPUS = {  # name: (dense tensor-core peak FLOP/s of the precision used there, me
     'A100': (312e12, 40.0, 'bf16'),
     'H100': (989e12, 80.0, 'bf16'),
 }
-MFU_MEASURED = 0.06   # our eager CT's model-FLOP utilisation on an H100 and an H200 (notebook 15: 5.1-6.4%; 6.7-8.4% with CUDA graphs)
+MFU_MEASURED = 0.06   # our eager CT's model-FLOP utilisation on an H100 and an H200 (notebook 15: 5.1-6.4%; compiled 6.7-8.4%, with CUDA graphs 7.8-8.4%)
 PRESET_GPU = {'t4': 'T4', 'l4': 'L4', 'a100': 'A100', 'h100': 'H100', 'h100-books': 'H100'}
 GIB = 2**30
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
-from .data import SPLITS, Corpus, StreamLoader, check_int, data_cache_dir, find_shared_data, download_file, sha256_file
+from .data import MAX_SEED, SPLITS, Corpus, StreamLoader, check_int, data_cache_dir, find_shared_data, download_file, sha256_file
 from .xl import TransformerXL, lm_loss
 from .attention import Linear
 from .model import MODEL_KINDS, ModelKind, build_model, memory_summary, windows_per_call
@@ -571,6 +571,7 @@ def speech_run(kind:str, # 'txl', 'ct' or 'wavenet' (any key of MODEL_KINDS)
     if missing: raise ValueError(f"data has no split(s) {missing}: pass {{'train': ..., 'valid': ..., 'test': ...}} (load_ljspeech())")
     steps, batch_size, chunk, eval_every, eval_streams, eval_chunks = (check_int(v, k) for k, v in (('steps', steps),
         ('batch_size', batch_size), ('chunk', chunk), ('eval_every', eval_every), ('eval_streams', eval_streams), ('eval_chunks', eval_chunks)))
+    seed = check_int(seed, 'seed', 0, hi=MAX_SEED)                                 # an int in the cache key and the results
     if train_cfg.eval_every: raise ValueError(f"train_cfg.eval_every={train_cfg.eval_every}: speech_run measures the test samples itself, "
                                               "every eval_every steps (its own argument); set train_cfg.eval_every=0")
     if time_budget_s is not None and folder is None:

@@ -896,7 +896,7 @@ def sample_next(logits:Tensor, # (B, V) next-token logits
                ) -> Tensor: # (B,) token ids
     "Draw one token per row: temperature, then top-k, then nucleus."
     _check_sampling(temperature, top_k, top_p)
-    bad = lambda lg: bool(lg.isnan().any() or (lg == float('inf')).any() or (lg == float('-inf')).all(-1).any())   # (-inf alone: masked)
+    bad = lambda lg: bool((lg.isnan() | (lg == float('inf'))).any() | (lg == float('-inf')).all(-1).any())   # (-inf alone: masked); one read
     if temperature == 0:
         if bad(logits): raise ValueError(_NOT_FINITE)                          # argmax would pick a NaN
         return logits.argmax(-1)

@@ -181,7 +181,7 @@ class XLLayer(nn.Module):
                 first:Tensor|None=None # (B, T) bool: True where a step starts a new episode (notebook 01's per-query mask)
                ): # (B, T, d) the layer's output, or (output, probs) with return_probs, or an AttnResult with full
         "Post-LN (paper) or pre-LN layer over the window, attending to `mem` (or to its given keys/values `mem_kv`)."
-        _check_mem(h, mem)
+        _check_mem(h, mem, self.attn.d_model)
         if mem is not None and mem_kv is None: mem_kv = self.project_memory(mem.to(h.dtype))  # (B, H, M, d_h) each
         r = self.attn(self.ln1(h) if self.pre_ln else h, None, mem_valid, return_probs, first, mem_kv, full=True)   # hooks on attn run
         a = r.out                                                     # (B, T, d)
