@@ -675,8 +675,8 @@ DEMO_PLOT = 'runs/demo/long_range_recall.png'                       # beside the
 def _demo_arguments(p:argparse.ArgumentParser):
     p.add_argument('--quick', action='store_true', help=f"a short run: {QUICK_DEMO['steps']} windows per model, {len(QUICK_DEMO['distances'])} distances")
     p.add_argument('--steps', type=_int_at_least(1), help='training windows per model (default: the full demo)')
-    p.add_argument('--distances', type=_int_at_least(0), nargs='+', metavar='D', help='the cue distances D to evaluate (default: the full demo\'s '
-                   + (lambda d: f"{len(d)}, {d[0]} to {d[-1]})")(RecallConfig.__dataclass_fields__['distances'].default))
+    d = RecallConfig.distances                                         # the full demo's (the dataclass default)
+    p.add_argument('--distances', type=_int_at_least(0), nargs='+', metavar='D', help=f"the cue distances D to evaluate (default: the full demo's {len(d)}, {d[0]} to {d[-1]})")
     p.add_argument('--set', dest='sets', nargs='+', action='extend', default=[], metavar='FIELD=VALUE',
                    help='any other field of RecallConfig (notebook 08), e.g. --set seed=1 batch_size=16')
     p.add_argument('--plot', default=DEMO_PLOT, metavar='PATH', help=f"where the plot goes (default {DEMO_PLOT}; none: no plot)")
@@ -693,12 +693,11 @@ def demo_config(args):
         name = name.strip()
         if not eq or name not in hints:
             raise ConfigError(f"--set {item!r}: expected FIELD=VALUE with a field of RecallConfig: {', '.join(hints)}")
-        over[name] = said[name] = parse_value(name, text.strip(), hints[name])
-    for flag, value in (('steps', args.steps), ('distances', tuple(args.distances) if args.distances else None)):
+        over[name] = parse_value(name, text.strip(), hints[name]); said[name] = text.strip()
+    for flag, value, typed in (('steps', args.steps, args.steps), ('distances', args.distances and tuple(args.distances), ' '.join(map(str, args.distances or [])))):
         if value is None: continue
-        if flag in said and said[flag] != value:                         # a flag and a --set item of one field: which was meant?
-            raise ConfigError(f"--{flag} {' '.join(map(str, value)) if flag == 'distances' else value} and --set {flag}="
-                              f"{','.join(map(str, said[flag])) if flag == 'distances' else said[flag]} disagree: give one.")
+        if flag in said and over[flag] != value:                         # a flag and a --set item of one field: which was meant?
+            raise ConfigError(f"--{flag} {typed} and --set {flag}={said[flag]} disagree: give one.")
         over[flag] = value
     try:
         cfg = RecallConfig(**over)
