@@ -181,7 +181,7 @@ def recall_accuracy(model:nn.Module, # a model of the package's interface
     dev = next(model.parameters()).device if dev is None else dev.device
     n_windows = math.ceil((n_s - 1 + queries_per_stream * task.episode_len(D)) / n_s)
     was = model.training; model.eval()
-    hit, cnt, state, seen = torch.zeros(n_s), torch.zeros(n_s), None, 0
+    hit, cnt, state, seen = torch.zeros(n_s, dtype=torch.float64), torch.zeros(n_s, dtype=torch.float64), None, 0
     try:
         for b in RecallStream(task, batch_size, n_s, D=D, n_windows=n_windows, seed=seed + 7919 * D, device=dev):
             logits, _, state = model(b.x, state, reset=b.reset)                # (B, n_s, V)
